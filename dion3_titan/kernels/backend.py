@@ -1,0 +1,47 @@
+"""The interface every kernel backend implements (torch, Triton, CuteDSL).
+
+Orthogonalization and the weight update are written against these five ops only, so a backend
+is chosen per shape without touching the algorithms.
+"""
+
+import torch
+
+
+class Backend:
+    """Batched ops on (L, n, k) operands. Results are new tensors unless stated."""
+
+    name: str = "abstract"
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b."""
+        raise NotImplementedError
+
+    def mm_add(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
+    ) -> torch.Tensor:
+        """alpha * (a @ b) + beta * c."""
+        raise NotImplementedError
+
+    def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b where the caller guarantees the product is symmetric (e.g. X @ X^T)."""
+        raise NotImplementedError
+
+    def sym_addmm(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
+    ) -> torch.Tensor:
+        """alpha * (a @ b) + beta * c where the result is symmetric (c symmetric too)."""
+        raise NotImplementedError
+
+    def fused_update(
+        self,
+        weight: torch.Tensor,
+        update: torch.Tensor,
+        rows: torch.Tensor,
+        lr: torch.Tensor,
+        decay: torch.Tensor,
+    ) -> None:
+        """In place on ``weight`` (B, R, C), possibly a strided view: every row is multiplied
+        by ``decay`` and rows ``rows`` (B, k) get ``- lr * update`` (update is (B, k, C)),
+        in float32 with a single rounding to weight's dtype. ``lr`` and ``decay`` are 0-dim
+        float32 tensors on weight's device (kept live under CUDA-graph replay)."""
+        raise NotImplementedError

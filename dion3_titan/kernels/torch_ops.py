@@ -1,0 +1,58 @@
+"""Reference backend: every op of the kernel interface in plain PyTorch (CPU and any GPU).
+
+All matrix ops take batched operands (L, n, k) @ (L, k, m). The ``sym_*`` ops may assume the
+result is symmetric (only a kernel backend exploits that); here they are ordinary products.
+"""
+
+import torch
+
+from dion3_titan.kernels.backend import Backend
+
+
+def _fused_update_reference(
+    weight: torch.Tensor,
+    update: torch.Tensor,
+    rows: torch.Tensor,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+) -> None:
+    """weight (B, R, C) view; update (B, k, C); rows (B, k) int64 row indices into dim 1.
+
+    weight <- decay * weight on every row, then weight[b, rows[b]] -= lr * update[b], computed
+    in float32 and rounded to the weight's dtype once.
+    """
+    w32 = weight.float().mul_(decay)
+    index = rows.unsqueeze(-1).expand(-1, -1, weight.shape[-1])
+    selected = w32.gather(1, index).sub_(lr * update.float())
+    w32.scatter_(1, index, selected)
+    weight.copy_(w32)
+
+
+class TorchOps(Backend):
+    name = "torch"
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(a, b)
+
+    def mm_add(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
+    ) -> torch.Tensor:
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+    def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(a, b)
+
+    def sym_addmm(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
+    ) -> torch.Tensor:
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+    def fused_update(
+        self,
+        weight: torch.Tensor,
+        update: torch.Tensor,
+        rows: torch.Tensor,
+        lr: torch.Tensor,
+        decay: torch.Tensor,
+    ) -> None:
+        _fused_update_reference(weight, update, rows, lr, decay)
