@@ -1,0 +1,165 @@
+"""Dion3 hyperparameters: one dataclass, validated once.
+
+The field names are the vocabulary everywhere: the standalone constructor, param-group keys and
+the TOML keys under ``[optimizer]`` all use them.
+"""
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+FLAVORS = ("muon", "normuon")
+LR_RULES = ("spectral", "rms", "none")
+NS_ALGORITHMS = ("gram", "standard", "auto")
+NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+SELECTIONS = ("l1", "random")
+SELECTION_SCOPES = ("local", "global")
+SELECTION_DIMS = ("auto", "rows", "cols")
+BACKENDS = ("auto", "torch", "triton", "cute")
+NONFINITE = ("raise", "skip")
+
+# Muon's fixed quintic (Jordan et al.), used at every step.
+MUON_QUINTIC = (3.4445, -4.7750, 2.0315)
+
+# Polar Express (Amsel et al.) optimal odd quintics for singular values in [1e-3, 1], one per
+# step, before the safety factor is applied. Later steps repeat the converged polynomial.
+POLAR_EXPRESS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+COEFFICIENT_SETS = ("polar_express", "muon")
+
+Coefficients = tuple[tuple[float, float, float], ...]
+
+
+def coefficient_schedule(name_or_values, steps: int, safety_factor: float) -> Coefficients:
+    """The (a, b, c) of each step. ``safety_factor`` s rescales p(x) -> p(x / s) so singular
+    values up to s (rounding can push them above 1) still converge (paper App. B.2.2)."""
+    if isinstance(name_or_values, str):
+        if name_or_values == "muon":
+            base = [MUON_QUINTIC] * steps
+        elif name_or_values == "polar_express":
+            base = [POLAR_EXPRESS[min(t, len(POLAR_EXPRESS) - 1)] for t in range(steps)]
+        else:
+            raise ValueError(
+                f"ns_coefficients={name_or_values!r}: allowed values are {COEFFICIENT_SETS} "
+                "or an explicit list of (a, b, c) triples"
+            )
+        s = safety_factor
+        return tuple((a / s, b / s**3, c / s**5) for a, b, c in base)
+    values = tuple(tuple(float(v) for v in abc) for abc in name_or_values)
+    if not values or any(len(abc) != 3 for abc in values):
+        raise ValueError("ns_coefficients: an explicit value must be a non-empty list of (a, b, c) triples")
+    return values
+
+
+def _check_choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r}: allowed values are {tuple(allowed)}")
+
+
+@dataclass
+class Dion3Config:
+    """Hyperparameters of the matrix (Dion3) groups. AdamW groups take lr/betas/eps/weight_decay."""
+
+    lr: float = 0.02
+    fraction: float = 1.0  # f in (0, 1]: share of rows orthogonalized per step; 1.0 is Muon/NorMuon
+    flavor: str = "muon"  # "muon" or "normuon" (row-wise second-moment normalization)
+    momentum: float = 0.95  # mu: selected momentum rows decay by mu after each step
+    normuon_beta2: float = 0.95  # NorMuon's row second-moment EMA factor
+    normuon_eps: float = 1e-8
+    weight_decay: float = 0.0  # decoupled, applied to every row: W *= 1 - lr * weight_decay
+    lr_rule: str = "spectral"  # "spectral": lr*sqrt(d_out/d_in); "rms": lr*0.2*sqrt(max dim); "none"
+    fraction_lr_transfer: bool = True  # lr' = lr / sqrt(f), keeping the update's Frobenius norm
+    ns_algorithm: str = "auto"  # "gram" | "standard" | "auto" (gram for rectangular, standard for square)
+    ns_coefficients: object = "polar_express"  # "polar_express" | "muon" | [(a, b, c), ...]
+    ns_steps: int = 5
+    ns_restarts: tuple = (2,)  # Gram NS restarts after these iterations
+    ns_safety_factor: float = 1.05
+    ns_dtype: str = "float16"
+    ns_eps: float = 1e-7
+    selection: str = "l1"  # "l1" (largest row l1 norms) or "random"
+    selection_scope: str = "local"  # "local": top rows of each shard; "global": of the whole matrix
+    selection_dim: str = "auto"  # "auto": the sharded dim, else the smaller; "rows" (dim -2); "cols" (dim -1)
+    backend: str = "auto"  # kernels: "auto" | "torch" | "triton" | "cute"
+    nonfinite: str = "raise"  # non-finite gradients: "raise" names the parameters; "skip" skips the step
+    seed: int = 0  # random selection's generator seed
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.fraction, (int, float)) or not (0.0 < self.fraction <= 1.0):
+            raise ValueError(f"fraction={self.fraction!r}: must be a number in (0, 1]")
+        if not (self.lr >= 0.0):
+            raise ValueError(f"lr={self.lr!r}: must be >= 0")
+        if not (0.0 <= self.momentum < 1.0):
+            raise ValueError(f"momentum={self.momentum!r}: must be in [0, 1)")
+        if not (0.0 <= self.normuon_beta2 < 1.0):
+            raise ValueError(f"normuon_beta2={self.normuon_beta2!r}: must be in [0, 1)")
+        if not (self.weight_decay >= 0.0):
+            raise ValueError(f"weight_decay={self.weight_decay!r}: must be >= 0")
+        _check_choice("flavor", self.flavor, FLAVORS)
+        _check_choice("lr_rule", self.lr_rule, LR_RULES)
+        _check_choice("ns_algorithm", self.ns_algorithm, NS_ALGORITHMS)
+        _check_choice("ns_dtype", self.ns_dtype, NS_DTYPES)
+        _check_choice("selection", self.selection, SELECTIONS)
+        _check_choice("selection_scope", self.selection_scope, SELECTION_SCOPES)
+        _check_choice("selection_dim", self.selection_dim, SELECTION_DIMS)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("nonfinite", self.nonfinite, NONFINITE)
+        if not isinstance(self.ns_steps, int) or self.ns_steps < 1:
+            raise ValueError(f"ns_steps={self.ns_steps!r}: must be an integer >= 1")
+        self.ns_restarts = tuple(int(r) for r in self.ns_restarts)
+        if any(not (0 < r < self.ns_steps) for r in self.ns_restarts):
+            raise ValueError(
+                f"ns_restarts={self.ns_restarts!r}: each restart must be an iteration in 1..{self.ns_steps - 1}"
+            )
+        if not (self.ns_safety_factor >= 1.0):
+            raise ValueError(f"ns_safety_factor={self.ns_safety_factor!r}: must be >= 1")
+        self.coefficients()  # validates ns_coefficients
+
+    def coefficients(self) -> Coefficients:
+        coeffs = coefficient_schedule(self.ns_coefficients, self.ns_steps, self.ns_safety_factor)
+        if len(coeffs) != self.ns_steps and not isinstance(self.ns_coefficients, str):
+            raise ValueError(
+                f"ns_coefficients: {len(coeffs)} explicit triples given but ns_steps={self.ns_steps}"
+            )
+        return coeffs
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return NS_DTYPES[self.ns_dtype]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def lr_scale(d_out: int, d_in: int, rule: str, fraction: float, transfer: bool) -> float:
+    """The one place the matrix learning-rate multiplier is defined.
+
+    The update of a d_out x d_in matrix is ``lr * lr_scale(...) * O``; ``transfer`` divides by
+    sqrt(f) so that f * rows orthogonal rows carry the Frobenius norm of a full update.
+    """
+    if rule == "spectral":
+        scale = math.sqrt(d_out / d_in)
+    elif rule == "rms":
+        scale = 0.2 * math.sqrt(max(d_out, d_in))
+    elif rule == "none":
+        scale = 1.0
+    else:
+        raise ValueError(f"lr_rule={rule!r}: allowed values are {LR_RULES}")
+    if transfer:
+        scale /= math.sqrt(fraction)
+    return scale

@@ -1,0 +1,200 @@
+"""The Dion3 optimizer: one pipeline per step over a plan built once at construction.
+
+Matrix groups (``algorithm="dion3"``) run: accumulate momentum -> select rows -> gather the
+selected rows to their owner -> orthogonalize the shape group as one batch (+ NorMuon) ->
+scatter back -> fused update with error feedback. Groups with ``algorithm="adamw"`` (embeddings,
+output head, norms, biases) run torch's AdamW inside the same optimizer.
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch.optim.adamw import adamw
+
+from dion3_titan.dist.layout import describe, to_local
+from dion3_titan.dist.plan import ShapeGroup, build_groups
+from dion3_titan.kernels import select_backend
+from dion3_titan.optim.config import Dion3Config
+from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize_checked
+from dion3_titan.optim.update import apply_update, normuon_normalize, select_rows, take_rows
+
+ALGORITHMS = ("dion3", "adamw")
+ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
+
+
+class Dion3(torch.optim.Optimizer):
+    """Dion3 (Muon/NorMuon flavors, f in (0, 1]) for matrices and AdamW for the rest.
+
+    Keyword names match ``Dion3Config`` and the ``[optimizer]`` TOML keys. Param groups may
+    override any of them and carry ``algorithm`` ("dion3" default, or "adamw" with ``betas``,
+    ``eps``, ``weight_decay``) and ``names`` (parameter names, for messages and metrics).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 0.02, **options) -> None:
+        unknown = set(options) - set(Dion3Config.keys()) - {"betas", "eps"}
+        if unknown:
+            raise ValueError(
+                f"Dion3: unknown option(s) {sorted(unknown)}; allowed are {sorted(Dion3Config.keys())}"
+            )
+        adamw_opts = {k: options.pop(k, v) for k, v in ADAMW_DEFAULTS.items()}
+        config = Dion3Config(lr=lr, **options)
+        defaults = {**config.as_dict(), **adamw_opts, "algorithm": "dion3"}
+        super().__init__(params, defaults)
+        self._configs: list[Dion3Config | None] = []
+        for i, group in enumerate(self.param_groups):
+            algo = group["algorithm"]
+            if algo not in ALGORITHMS:
+                raise ValueError(f"param group {i}: algorithm={algo!r}: allowed values are {ALGORITHMS}")
+            cfg = None
+            if algo == "dion3":
+                cfg = Dion3Config(**{k: group[k] for k in Dion3Config.keys()})
+                for p in group["params"]:
+                    if p.ndim not in (2, 3):
+                        raise ValueError(
+                            f"param group {i} (algorithm 'dion3') holds a {p.ndim}D parameter of shape "
+                            f"{tuple(p.shape)}; only 2D matrices and 3D stacks of matrices can be "
+                            "orthogonalized: put it in an algorithm='adamw' group"
+                        )
+            self._configs.append(cfg)
+        self._build_plan()
+        self._init_state()
+
+    # ----------------------------------------------------------------- construction
+    def _names(self, group: dict) -> list[str]:
+        names = group.get("names")
+        return list(names) if names else [f"param{j}" for j in range(len(group["params"]))]
+
+    def _build_plan(self) -> None:
+        entries = []
+        hyper = []
+        for gi, group in enumerate(self.param_groups):
+            cfg = self._configs[gi]
+            hyper.append(cfg.as_dict() if cfg else {})
+            if cfg is None:
+                continue
+            for p, name in zip(group["params"], self._names(group)):
+                entries.append((gi, p, name, describe(p, cfg.selection_dim)))
+        self._groups: list[ShapeGroup] = build_groups(entries, hyper)
+        self._ns: list[NSSettings | None] = [
+            NSSettings(cfg.ns_algorithm, cfg.coefficients(), cfg.ns_restarts, cfg.compute_dtype, cfg.ns_eps)
+            if cfg
+            else None
+            for cfg in self._configs
+        ]
+        self._generator: torch.Generator | None = None
+        self.nonfinite_ns_events = 0
+
+    def _init_state(self) -> None:
+        """Every state tensor exists from construction on, identically on every rank (DCP)."""
+        for sg in self._groups:
+            cfg = self._configs[sg.group_index]
+            for m in sg.members:
+                st = self.state[m.param]
+                st["momentum"] = torch.zeros_like(m.param)
+                if cfg.flavor == "normuon":
+                    st["variance"] = torch.zeros(
+                        m.layout.batch, m.layout.local_rows, dtype=torch.float32, device=m.param.device
+                    )
+        for group, cfg in zip(self.param_groups, self._configs):
+            if cfg is not None:
+                continue
+            for p in group["params"]:
+                st = self.state[p]
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for i, group in enumerate(self.param_groups):
+            if self._configs[i] is not None:
+                self._configs[i] = Dion3Config(**{k: group[k] for k in Dion3Config.keys()})
+
+    # ----------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, cfg in zip(self.param_groups, self._configs):
+            if cfg is None:
+                self._adamw_step(group)
+        for sg in self._groups:
+            self._matrix_step(sg)
+        return loss
+
+    def _matrix_step(self, sg: ShapeGroup) -> None:
+        group = self.param_groups[sg.group_index]
+        cfg = self._configs[sg.group_index]
+        normuon = cfg.flavor == "normuon"
+        members = [m for m in sg.members]
+        moms, grads = [], []
+        for m in members:
+            if m.param.grad is not None:
+                moms.append(to_local(self.state[m.param]["momentum"]))
+                grads.append(to_local(m.param.grad))
+        if moms:
+            torch._foreach_add_(moms, grads)
+
+        # select + pack this shard's rows of every matrix in the group
+        views, picked, rows_list, v_list = [], [], [], []
+        for m in members:
+            mom = m.layout.oriented(to_local(self.state[m.param]["momentum"]))
+            rows = select_rows(mom, m.k, cfg.selection, self._rng(mom.device) if cfg.selection == "random" else None)
+            taken = take_rows(mom, rows)
+            if m.param.grad is None:
+                taken = torch.zeros_like(taken)
+            views.append(mom)
+            picked.append(rows)
+            rows_list.append(taken)
+            if normuon:
+                v = self.state[m.param]["variance"]
+                v_list.append(v.gather(1, rows))
+        send = torch.cat(rows_list) if len(rows_list) > 1 else rows_list[0]
+        send_v = (torch.cat(v_list) if len(v_list) > 1 else v_list[0]) if normuon else None
+
+        owned, owned_v = sg.exchange.gather(send, send_v)
+        backend = select_backend(cfg.backend, tuple(owned.shape), cfg.compute_dtype, owned.device)
+        ortho, bad = orthogonalize_checked(owned, self._ns[sg.group_index], backend)
+        self.nonfinite_ns_events += int(bad.sum()) if bad.numel() else 0
+        if normuon:
+            ortho, owned_v = normuon_normalize(ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps)
+        result, result_v = sg.exchange.scatter(ortho, owned_v)
+
+        lr = torch.as_tensor(group["lr"], dtype=torch.float32, device=send.device)
+        decay = 1.0 - lr * group["weight_decay"]
+        for i, m in enumerate(members):
+            if m.param.grad is None:
+                continue
+            sl = slice(m.offset, m.offset + m.layout.batch)
+            weight = m.layout.oriented(to_local(m.param))
+            apply_update(weight, views[i], result[sl], picked[i], lr * m.lr_scale, decay, group["momentum"], backend)
+            if normuon:
+                self.state[m.param]["variance"].scatter_(1, picked[i], result_v[sl].float())
+
+    def _rng(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.defaults["seed"])
+        return self._generator
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, avgs, sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            params.append(p)
+            grads.append(p.grad)
+            avgs.append(st["exp_avg"])
+            sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw(
+            params, grads, avgs, sqs, [], steps,
+            foreach=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )

@@ -1,0 +1,142 @@
+"""Newton-Schulz orthogonalization: stabilized Gram NS (paper Alg. 3) and standard NS (Alg. 1).
+
+Both take a batch X of shape (B, n, m) in either orientation and return approximately
+polar(X) = U V^T with the same shape, in the compute dtype. Every matrix product goes through
+a ``Backend`` so the same code runs on torch, Triton or CuteDSL kernels.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from dion3_titan.kernels.backend import Backend
+from dion3_titan.optim.config import Coefficients
+
+
+@dataclass(frozen=True)
+class NSSettings:
+    algorithm: str  # "gram" | "standard" | "auto"
+    coefficients: Coefficients
+    restarts: tuple[int, ...] = (2,)
+    dtype: torch.dtype = torch.float16
+    eps: float = 1e-7
+
+
+def _normalize(x: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    # Frobenius norm in float32 (float64 stays float64) so the scale is exact before the cast.
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    norm = torch.linalg.vector_norm(xf, dim=(-2, -1), keepdim=True)
+    return (xf / (norm + eps)).to(dtype)
+
+
+def gram_newton_schulz(
+    x: torch.Tensor, coefficients: Coefficients, restarts: tuple[int, ...], backend: Backend
+) -> torch.Tensor:
+    """Alg. 3 on a wide, normalized x (B, n, m), n <= m.
+
+    Iterates on the n x n Gram matrix R: Z = b R + c R^2, Q <- Q Z + a Q,
+    R <- Z (R Z + a R) + a (R Z + a R). The a_t I term is never added inside a product (App.
+    B.2.3): it stays in the fp32 epilogue as "+ a * (previous matrix)". At each restart
+    iteration X <- Q X and R, Q are rebuilt, which clears spurious negative eigenvalues.
+    """
+    ops = backend
+    xt = x.mT
+    r = ops.sym_mm(x, xt)
+    q: torch.Tensor | None = None  # None stands for the identity
+    steps = len(coefficients)
+    for t, (a, b, c) in enumerate(coefficients):
+        if t > 0 and t in restarts:
+            if q is not None:
+                x = ops.mm(q, x)
+                xt = x.mT
+            r = ops.sym_mm(x, xt)
+            q = None
+        z = ops.sym_addmm(r, r, r, alpha=c, beta=b)
+        if q is None:
+            q = z.clone()
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            q = ops.sym_addmm(q, z, q, alpha=1.0, beta=a)
+        # R is needed only by a later iteration that does not restart.
+        if t + 1 < steps and (t + 1) not in restarts:
+            rz = ops.sym_addmm(r, z, r, alpha=1.0, beta=a)
+            r = ops.sym_addmm(z, rz, rz, alpha=1.0, beta=a)
+    if q is None:
+        return x
+    return ops.mm(q, x)
+
+
+def standard_newton_schulz(x: torch.Tensor, coefficients: Coefficients, backend: Backend) -> torch.Tensor:
+    """Alg. 1 on a wide, normalized x: A = X X^T, B = b A + c A^2, X <- a X + B X."""
+    ops = backend
+    for a, b, c in coefficients:
+        gram = ops.sym_mm(x, x.mT)
+        poly = ops.sym_addmm(gram, gram, gram, alpha=c, beta=b)
+        x = ops.mm_add(poly, x, x, alpha=1.0, beta=a)
+    return x
+
+
+def resolve_algorithm(algorithm: str, n: int, m: int) -> str:
+    """"auto": Gram NS saves FLOPs only for rectangular inputs; square ones use standard NS."""
+    if algorithm == "auto":
+        return "standard" if n == m else "gram"
+    return algorithm
+
+
+def orthogonalize(x: torch.Tensor, settings: NSSettings, backend: Backend) -> torch.Tensor:
+    """polar(x) for a batch x (B, n, m) of either orientation; result in ``settings.dtype``.
+
+    A tall input is processed as its transpose (a view, no copy) and transposed back.
+    """
+    if x.ndim != 3:
+        raise ValueError(f"orthogonalize expects a (B, n, m) batch, got shape {tuple(x.shape)}")
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    n, m = x.shape[-2:]
+    xn = _normalize(x, settings.eps, settings.dtype)
+    if resolve_algorithm(settings.algorithm, n, m) == "gram":
+        out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend)
+    else:
+        out = standard_newton_schulz(xn, settings.coefficients, backend)
+    return out.mT if tall else out
+
+
+def orthogonalize_checked(
+    x: torch.Tensor, settings: NSSettings, backend: Backend, sync_check: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``orthogonalize`` that never returns a non-finite matrix.
+
+    Returns (result, bad) where ``bad`` (B,) marks matrices whose first result was not finite.
+    With ``sync_check`` (eager steps) those are recomputed with an extra restart after every
+    iteration and, failing that, standard NS in float32; without it (CUDA-graph capture, where
+    the host may not look) they are zeroed so the update skips them, and ``bad`` is counted.
+    """
+    out = orthogonalize(x, settings, backend)
+    bad = ~torch.isfinite(out).flatten(1).all(dim=1)
+    if sync_check:
+        if bool(bad.any()):
+            idx = bad.nonzero().squeeze(1)
+            retry = NSSettings(
+                algorithm=settings.algorithm,
+                coefficients=settings.coefficients,
+                restarts=tuple(range(1, len(settings.coefficients))),
+                dtype=settings.dtype,
+                eps=settings.eps,
+            )
+            fixed = orthogonalize(x[idx], retry, backend)
+            still_bad = ~torch.isfinite(fixed).flatten(1).all(dim=1)
+            if bool(still_bad.any()):
+                fallback = NSSettings("standard", settings.coefficients, (), torch.float32, settings.eps)
+                from dion3_titan.kernels.torch_ops import TorchOps
+
+                fixed = torch.where(
+                    still_bad[:, None, None],
+                    orthogonalize(x[idx].float(), fallback, TorchOps()).to(fixed.dtype),
+                    fixed,
+                )
+            out = out.index_copy(0, idx, fixed.to(out.dtype))
+        return out, bad
+    out = torch.where(bad[:, None, None], torch.zeros_like(out), out)
+    return out, bad
