@@ -1,17 +1,28 @@
 """Moving selected rows between the shards that hold them and the rank that orthogonalizes
-them. An ``Exchange`` serves one shape group: ``gather`` assembles the full selected
-submatrices a rank owns; ``scatter`` returns each shard its rows of the result.
+them. One ``Exchange`` serves one shape group: ``gather`` assembles the full selected
+submatrices this rank owns, ``scatter`` returns every shard its rows of the results.
 
-Also counts every collective the optimizer issues (calls and received bytes).
+Rows travel as fixed-size blocks: each rank contributes ``k`` rows (zero-padded) by ``cols``
+columns (zero-padded) per matrix, so every buffer size is known when the plan is built and the
+step needs no host synchronization. Zero rows and zero columns do not change polar(X) on the
+others (polar commutes with row and column permutations and keeps zero rows zero), so the
+padding only costs FLOPs. An optional trailing per-row scalar (NorMuon's second moment) rides
+along as one extra column.
 """
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renames all_gather_into_tensor (output: inputs concatenated along dim 0).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
 class CommStats:
+    """Collectives issued by the optimizer: calls and bytes received by this rank."""
+
     calls: int = 0
     bytes: int = 0
 
@@ -25,19 +36,162 @@ class CommStats:
 
 
 class Exchange:
-    """Single-process exchange: every matrix is whole and owned locally, nothing moves.
+    """Single process (or every matrix whole on this rank): nothing moves.
 
-    ``rows`` (N, k, C) are the selected rows of the N local matrices of a group; ``v`` (N, k)
-    their NorMuon second moments (or None). ``gather`` returns the owned full matrices
-    (N_own, K, C_full) and their v; ``scatter`` maps owned results back to (N, k, C).
+    ``gather(rows, extra)``: rows (N, k, C) of the group's N local matrices, extra (N, k) or
+    None. Returns the owned full matrices (N_own, K, C_full) and their extra (N_own, K).
+    ``scatter(result, extra)`` is its inverse on results.
     """
 
     def gather(
-        self, rows: torch.Tensor, v: torch.Tensor | None
+        self, rows: torch.Tensor, extra: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return rows, v
+        return rows, extra
 
     def scatter(
-        self, result: torch.Tensor, v: torch.Tensor | None
+        self, result: torch.Tensor, extra: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return result, v
+        return result, extra
+
+
+def _append_extra(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    if extra is None:
+        return x
+    return torch.cat([x, extra.to(x.dtype).unsqueeze(-1)], dim=-1)
+
+
+class ShardedExchange(Exchange):
+    """Matrices cut by one or more mesh dims (FSDP rows, TP rows or columns): per group, one
+    ``all_to_all_single`` brings every shard's selected rows to the matrix's owner and one
+    returns the results.
+
+    The gather group's ranks form a grid of row blocks x column blocks (``row_block[g]``,
+    ``col_block[g]`` for group rank g). The owner lays the received blocks out on that grid.
+    """
+
+    def __init__(
+        self,
+        group,
+        rank: int,
+        row_block: list[int],
+        col_block: list[int],
+        owners: list[int],
+        k: int,
+        cols: int,
+        has_extra: bool,
+        stats: CommStats,
+    ) -> None:
+        self.group = group
+        self.size = len(row_block)
+        self.n_rb = max(row_block) + 1
+        self.n_cb = max(col_block) + 1
+        self.k, self.cols, self.has_extra = k, cols, has_extra
+        self.stats = stats
+        self.width = cols + (1 if has_extra else 0)
+        block = k * self.width
+        counts = [owners.count(q) for q in range(self.size)]
+        self.owned = [j for j, o in enumerate(owners) if o == rank]
+        self.n_own = len(self.owned)
+        order = [j for q in range(self.size) for j in range(len(owners)) if owners[j] == q]
+        self.order = torch.tensor(order, dtype=torch.long)
+        self.send_splits = [c * block for c in counts]
+        self.recv_splits = [self.n_own * block] * self.size
+        # group ranks sorted into grid order (row block major, column block minor)
+        grid = sorted(range(self.size), key=lambda g: (row_block[g], col_block[g]))
+        self.grid = torch.tensor(grid, dtype=torch.long)
+        self.ungrid = torch.argsort(self.grid)
+        self._device = None
+
+    def _to(self, device: torch.device) -> None:
+        if self._device != device:
+            self.order, self.grid, self.ungrid = (t.to(device) for t in (self.order, self.grid, self.ungrid))
+            self._device = device
+
+    def _all_to_all(self, send: torch.Tensor, out_numel: int, out_splits, in_splits) -> torch.Tensor:
+        out = send.new_empty(out_numel)
+        dist.all_to_all_single(out, send, out_splits, in_splits, group=self.group)
+        self.stats.add(out.numel() * out.element_size())
+        return out
+
+    def gather(self, rows, extra):
+        self._to(rows.device)
+        send = _append_extra(rows, extra).index_select(0, self.order).reshape(-1)
+        out = self._all_to_all(send, sum(self.recv_splits), self.recv_splits, self.send_splits)
+        k, c, nrb, ncb, n = self.k, self.cols, self.n_rb, self.n_cb, self.n_own
+        blocks = out.view(self.size, n, k, self.width).index_select(0, self.grid)
+        blocks = blocks.view(nrb, ncb, n, k, self.width)
+        full = blocks[..., :c].permute(2, 0, 3, 1, 4).reshape(n, nrb * k, ncb * c)
+        full_extra = None
+        if self.has_extra:  # identical on every column block: take the first
+            full_extra = blocks[:, 0, :, :, c].permute(1, 0, 2).reshape(n, nrb * k)
+        return full, full_extra
+
+    def scatter(self, result, extra):
+        self._to(result.device)
+        k, c, nrb, ncb, n = self.k, self.cols, self.n_rb, self.n_cb, self.n_own
+        blocks = result.view(n, nrb, k, ncb, c).permute(1, 3, 0, 2, 4)
+        if self.has_extra:
+            e = extra.to(result.dtype).view(n, nrb, k).permute(1, 0, 2)
+            e = e.unsqueeze(1).expand(nrb, ncb, n, k).unsqueeze(-1)
+            blocks = torch.cat([blocks, e], dim=-1)
+        send = blocks.reshape(self.size, n, k, self.width).index_select(0, self.ungrid).reshape(-1)
+        out = self._all_to_all(send, sum(self.send_splits), self.send_splits, self.recv_splits)
+        local = torch.empty(len(self.order), k, self.width, dtype=out.dtype, device=out.device)
+        local.index_copy_(0, self.order, out.view(-1, k, self.width))
+        if self.has_extra:
+            return local[..., :c], local[..., c]
+        return local, None
+
+
+class ReplicatedExchange(Exchange):
+    """Whole matrices replicated on every rank of a group (DDP): each rank orthogonalizes its
+    share and one ``all_gather_into_tensor`` hands every rank all results."""
+
+    def __init__(self, group, rank: int, owners: list[int], stats: CommStats) -> None:
+        self.group = group
+        self.size = max(owners) + 1 if owners else 1
+        self.stats = stats
+        self.n_max = max(owners.count(q) for q in range(self.size))
+        # slot s of rank q holds matrix slots[q][s] (padded by repeating a matrix, discarded)
+        self.slots = [[j for j, o in enumerate(owners) if o == q] for q in range(self.size)]
+        mine = self.slots[rank]
+        self.mine = torch.tensor(mine + [mine[-1] if mine else 0] * (self.n_max - len(mine)), dtype=torch.long)
+        gather_pos = [q * self.n_max + s for q in range(self.size) for s in range(len(self.slots[q]))]
+        order = [j for q in range(self.size) for j in self.slots[q]]
+        self.back = torch.empty(len(order), dtype=torch.long)
+        self.back[torch.tensor(order, dtype=torch.long)] = torch.tensor(gather_pos, dtype=torch.long)
+        self._device = None
+
+    def _to(self, device):
+        if self._device != device:
+            self.mine, self.back = self.mine.to(device), self.back.to(device)
+            self._device = device
+
+    def gather(self, rows, extra):
+        self._to(rows.device)
+        return rows.index_select(0, self.mine), None if extra is None else extra.index_select(0, self.mine)
+
+    def scatter(self, result, extra):
+        self._to(result.device)
+        packed = _append_extra(result, extra)
+        out = packed.new_empty(self.size * packed.shape[0], *packed.shape[1:])
+        _all_gather(out, packed.contiguous(), group=self.group)
+        self.stats.add(out.numel() * out.element_size())
+        out = out.index_select(0, self.back)
+        if extra is None:
+            return out, None
+        return out[..., :-1], out[..., -1]
+
+
+def full_row_scores(exchange: Exchange, local: torch.Tensor, stats: CommStats) -> torch.Tensor:
+    """Row scores of every row block: local (N, R_max) partial sums over this rank's columns
+    -> (N, n_row_blocks, R_max) summed over column blocks, with one ``all_gather`` (only
+    needed for column-sharded matrices or global selection)."""
+    if not isinstance(exchange, ShardedExchange):
+        return local.unsqueeze(1)
+    out = local.new_empty(exchange.size * local.shape[0], *local.shape[1:])
+    _all_gather(out, local.contiguous(), group=exchange.group)
+    stats.add(out.numel() * out.element_size())
+    out = out.view(exchange.size, *local.shape)
+    grid = out.index_select(0, exchange.grid.to(out.device)).view(exchange.n_rb, exchange.n_cb, *local.shape)
+    return grid.sum(dim=1).transpose(0, 1)

@@ -1,15 +1,18 @@
-"""The megabatch plan, built once at construction: matrices grouped by shape so each group is
-orthogonalized as one batch (and, when sharded, moved with one collective each way).
+"""The megabatch plan, built once at construction.
 
-The grouping rule lives here and nowhere else.
+Matrices are grouped by shape (and layout) so that each group is orthogonalized as one batch
+and, when sharded, moved with one collective each way. Owners of sharded matrices are chosen
+to balance Newton-Schulz FLOPs across the ranks of each gather group. The grouping rule and
+the owner rule live here and nowhere else.
 """
 
 import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from dion3_titan.dist.comm import Exchange
+from dion3_titan.dist.comm import CommStats, Exchange, ReplicatedExchange, ShardedExchange
 from dion3_titan.dist.layout import MatrixLayout
 from dion3_titan.optim.config import lr_scale
 
@@ -21,9 +24,8 @@ class Member:
     param: torch.Tensor
     name: str
     layout: MatrixLayout
-    k: int  # rows selected from each local (B, R, C) shard
     lr_scale: float
-    offset: int = 0  # first index of its matrices in the group's (N, k, C) batch
+    offset: int = 0  # first index of its matrices in the group's batch
 
 
 @dataclass
@@ -32,10 +34,24 @@ class ShapeGroup:
     key: tuple
     members: list[Member] = field(default_factory=list)
     exchange: Exchange = field(default_factory=Exchange)
+    k: int = 0  # rows each rank contributes per matrix (equal on every rank, zero-padded)
+    cols: int = 0  # columns each rank contributes per matrix (zero-padded)
+    local_rows: int = 0  # this rank's rows per matrix
+    local_cols: int = 0
+    # global scope: rows held by each row block (to mask padding), and this rank's row block
+    block_rows: tuple[int, ...] = ()
+    row_block: int = 0
+    col_blocks: int = 1
+    global_k: int = 0
 
     @property
     def batch(self) -> int:
         return sum(m.layout.batch for m in self.members)
+
+    @property
+    def selected(self) -> int:
+        """Rows this rank actually selects per matrix (the rest of ``k`` is padding)."""
+        return min(self.k, self.local_rows)
 
 
 def rows_to_select(fraction: float, rows: int) -> int:
@@ -45,35 +61,125 @@ def rows_to_select(fraction: float, rows: int) -> int:
     return min(rows, max(1, math.ceil(fraction * rows - 1e-9)))
 
 
-def group_key(group_index: int, layout: MatrixLayout, k: int, dtype: torch.dtype) -> tuple:
-    """Matrices whose selected submatrices have the same full and local shapes, dtype and
-    layout kind share one batch."""
+def group_key(group_index: int, layout: MatrixLayout, dtype: torch.dtype) -> tuple:
+    """Same full shape, dtype and sharding (hence the same local shape on a rank): one batch.
+    Nothing rank-dependent enters the key, so every rank forms the same groups in the same order."""
+    mesh_id = None if layout.mesh is None else tuple(layout.mesh.mesh.flatten().tolist())
     return (
         group_index,
-        layout.global_rows,
-        layout.global_cols,
-        k,
-        layout.local_cols,
+        layout.global_shape[-2:],
+        layout.row_dim,
         dtype,
-        tuple((s.tensor_dim == layout.row_dim, s.size) for s in layout.shards),
+        mesh_id,
+        tuple((s.tensor_dim, s.mesh_dim) for s in layout.matrix_shards()),
+        tuple(s.mesh_dim for s in layout.replicas),
     )
 
 
+def _flops(rows: int, cols: int) -> float:
+    n, m = min(rows, cols), max(rows, cols)
+    return 14.0 * n**3 + 6.0 * n * n * m
+
+
+_flat_groups: dict[tuple, tuple] = {}
+
+
+def _gather_group(layout: MatrixLayout):
+    """(process group, my rank in it, row block of each group rank, column block of each)."""
+    dims = sorted(layout.matrix_shards(), key=lambda d: d.mesh_dim)
+    mesh = layout.mesh
+    sizes = [d.size for d in dims]
+    if len(dims) == 1:
+        group, rank = mesh.get_group(dims[0].mesh_dim), dims[0].rank
+    else:
+        key = (tuple(mesh.mesh.flatten().tolist()), tuple(d.mesh_dim for d in dims))
+        if key not in _flat_groups:
+            names = mesh.mesh_dim_names
+            if names is None:
+                raise ValueError("Dion3 needs named mesh dims to shard a matrix over several mesh dims")
+            flat = mesh[tuple(names[d.mesh_dim] for d in dims)]._flatten()
+            _flat_groups[key] = (flat.get_group(), flat.get_local_rank())
+        group, rank = _flat_groups[key]
+    row_block, col_block = [], []
+    for g in range(math.prod(sizes)):
+        coords, rest = [], g
+        for s in reversed(sizes):
+            coords.append(rest % s)
+            rest //= s
+        coords.reverse()
+        rb = cb = 0
+        for d, c in zip(dims, coords):
+            if d.tensor_dim == layout.row_dim:
+                rb = rb * d.size + c
+            else:
+                cb = cb * d.size + c
+        row_block.append(rb)
+        col_block.append(cb)
+    return group, rank, row_block, col_block
+
+
+def _all_gather_ints(values: list[int], group, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return torch.stack(out).cpu()
+
+
 def build_groups(
-    entries: list[tuple[int, torch.Tensor, str, MatrixLayout]], hyper: list[dict]
+    entries: list[tuple[int, torch.Tensor, str, MatrixLayout]], hyper: list[dict], stats: CommStats
 ) -> list[ShapeGroup]:
-    """``entries``: (param group index, param, name, layout); ``hyper[i]``: group i's options."""
+    """``entries``: (param group index, param, name, layout) in a rank-independent order;
+    ``hyper[i]``: param group i's options. Collective over the ranks of each gather group."""
     groups: dict[tuple, ShapeGroup] = {}
     for gi, p, name, layout in entries:
         h = hyper[gi]
-        k = rows_to_select(h["fraction"], layout.local_rows)
         scale = lr_scale(layout.d_out, layout.d_in, h["lr_rule"], h["fraction"], h["fraction_lr_transfer"])
-        key = group_key(gi, layout, k, p.dtype)
+        key = group_key(gi, layout, p.dtype)
         g = groups.setdefault(key, ShapeGroup(gi, key))
-        g.members.append(Member(p, name, layout, k, scale))
+        g.members.append(Member(p, name, layout, scale))
+    loads: dict[int, list[float]] = {}
     for g in groups.values():
         offset = 0
         for m in g.members:
             m.offset = offset
             offset += m.layout.batch
+        _plan_group(g, hyper[g.group_index], stats, loads)
     return list(groups.values())
+
+
+def _plan_group(g: ShapeGroup, h: dict, stats: CommStats, loads: dict) -> None:
+    lay = g.members[0].layout
+    g.local_rows, g.local_cols = lay.local_rows, lay.local_cols
+    normuon = h["flavor"] == "normuon"
+    fraction, scope = h["fraction"], h["selection_scope"]
+    device = g.members[0].param.device
+    if not lay.matrix_shards():
+        g.k = rows_to_select(fraction, g.local_rows)
+        g.cols = g.local_cols
+        g.block_rows, g.global_k = (g.local_rows,), g.k
+        replicas = [r for r in lay.replicas if r.size > 1]
+        if replicas and dist.is_initialized():
+            r = replicas[0]
+            owners = [j % r.size for j in range(g.batch)]
+            g.exchange = ReplicatedExchange(lay.mesh.get_group(r.mesh_dim), r.rank, owners, stats)
+        return
+    group, rank, row_block, col_block = _gather_group(lay)
+    shapes = _all_gather_ints([g.local_rows, g.local_cols], group, device if device.type != "meta" else "cpu")
+    n_rb = max(row_block) + 1
+    g.block_rows = tuple(int(shapes[row_block.index(b), 0]) for b in range(n_rb))
+    g.row_block, g.col_blocks = row_block[rank], max(col_block) + 1
+    max_rows, g.cols = int(shapes[:, 0].max()), int(shapes[:, 1].max())
+    g.global_k = rows_to_select(fraction, lay.global_rows)
+    if scope == "global":
+        g.k = min(g.global_k, max_rows)
+    else:
+        g.k = rows_to_select(fraction, max_rows)
+    # owners: greedy least-loaded rank of this gather group, in a rank-independent order
+    load = loads.setdefault(id(group), [0.0] * len(row_block))
+    cost = _flops(n_rb * g.k, g.col_blocks * g.cols)
+    owners = []
+    for _ in range(g.batch):
+        q = min(range(len(load)), key=lambda r: (load[r], r))
+        load[q] += cost
+        owners.append(q)
+    g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, normuon, stats)

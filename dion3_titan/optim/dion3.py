@@ -11,12 +11,20 @@ from collections.abc import Iterable
 import torch
 from torch.optim.adamw import adamw
 
-from dion3_titan.dist.layout import describe, to_local
+from dion3_titan.dist.comm import CommStats, full_row_scores
+from dion3_titan.dist.layout import describe, row_state, to_local
 from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import select_backend
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize_checked
-from dion3_titan.optim.update import apply_update, normuon_normalize, select_rows, take_rows
+from dion3_titan.optim.update import (
+    apply_update,
+    l1_scores,
+    normuon_normalize,
+    take_rows,
+    top_rows,
+    top_rows_global,
+)
 
 ALGORITHMS = ("dion3", "adamw")
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
@@ -74,7 +82,8 @@ class Dion3(torch.optim.Optimizer):
                 continue
             for p, name in zip(group["params"], self._names(group)):
                 entries.append((gi, p, name, describe(p, cfg.selection_dim)))
-        self._groups: list[ShapeGroup] = build_groups(entries, hyper)
+        self.comm_stats = CommStats()
+        self._groups: list[ShapeGroup] = build_groups(entries, hyper, self.comm_stats)
         self._ns: list[NSSettings | None] = [
             NSSettings(cfg.ns_algorithm, cfg.coefficients(), cfg.ns_restarts, cfg.compute_dtype, cfg.ns_eps)
             if cfg
@@ -92,9 +101,7 @@ class Dion3(torch.optim.Optimizer):
                 st = self.state[m.param]
                 st["momentum"] = torch.zeros_like(m.param)
                 if cfg.flavor == "normuon":
-                    st["variance"] = torch.zeros(
-                        m.layout.batch, m.layout.local_rows, dtype=torch.float32, device=m.param.device
-                    )
+                    st["variance"] = row_state(m.param, m.layout)
         for group, cfg in zip(self.param_groups, self._configs):
             if cfg is not None:
                 continue
@@ -128,50 +135,88 @@ class Dion3(torch.optim.Optimizer):
         group = self.param_groups[sg.group_index]
         cfg = self._configs[sg.group_index]
         normuon = cfg.flavor == "normuon"
-        members = [m for m in sg.members]
+        members = sg.members
         moms, grads = [], []
         for m in members:
             if m.param.grad is not None:
                 moms.append(to_local(self.state[m.param]["momentum"]))
                 grads.append(to_local(m.param.grad))
         if moms:
-            torch._foreach_add_(moms, grads)
+            torch._foreach_add_(moms, grads)  # 1. accumulate: M <- M + G
 
-        # select + pack this shard's rows of every matrix in the group
-        views, picked, rows_list, v_list = [], [], [], []
-        for m in members:
-            mom = m.layout.oriented(to_local(self.state[m.param]["momentum"]))
-            rows = select_rows(mom, m.k, cfg.selection, self._rng(mom.device) if cfg.selection == "random" else None)
-            taken = take_rows(mom, rows)
-            if m.param.grad is None:
-                taken = torch.zeros_like(taken)
-            views.append(mom)
-            picked.append(rows)
-            rows_list.append(taken)
-            if normuon:
-                v = self.state[m.param]["variance"]
-                v_list.append(v.gather(1, rows))
-        send = torch.cat(rows_list) if len(rows_list) > 1 else rows_list[0]
-        send_v = (torch.cat(v_list) if len(v_list) > 1 else v_list[0]) if normuon else None
+        # 2. select: this rank's rows of every matrix in the group, as one (N, R) batch
+        views = [m.layout.oriented(to_local(self.state[m.param]["momentum"])) for m in members]
+        rows, valid = self._select(sg, cfg, views)
 
+        # pack the selected rows (zero-padded to the group's fixed block) and NorMuon's v
+        sel, k, cols = sg.selected, sg.k, sg.cols
+        rows_per = rows.split([m.layout.batch for m in members])
+        send = torch.cat([take_rows(v, r) for v, r in zip(views, rows_per)])
+        for i, m in enumerate(members):
+            if m.param.grad is None:  # no gradient: contributes nothing, receives no update
+                send[m.offset : m.offset + m.layout.batch] = 0
+        if valid is not None:
+            send = send * valid.unsqueeze(-1).to(send.dtype)
+        send = torch.nn.functional.pad(send, (0, cols - sg.local_cols, 0, k - sel))
+        send_v = None
+        if normuon:
+            vs = torch.cat([self._variance(m) for m in members]).gather(1, rows)
+            send_v = torch.nn.functional.pad(vs, (0, k - sel))
+
+        # 3-5. gather to owners, orthogonalize the batch (+ NorMuon), scatter back
         owned, owned_v = sg.exchange.gather(send, send_v)
         backend = select_backend(cfg.backend, tuple(owned.shape), cfg.compute_dtype, owned.device)
         ortho, bad = orthogonalize_checked(owned, self._ns[sg.group_index], backend)
-        self.nonfinite_ns_events += int(bad.sum()) if bad.numel() else 0
+        if bad.numel():
+            self.nonfinite_ns_events += int(bad.sum())
         if normuon:
-            ortho, owned_v = normuon_normalize(ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps)
+            ortho, owned_v = normuon_normalize(
+                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, sg.members[0].layout.global_cols
+            )
         result, result_v = sg.exchange.scatter(ortho, owned_v)
+        result = result[:, :sel, : sg.local_cols]
 
+        # 6. update: decay all rows, subtract on the selected rows, error feedback
         lr = torch.as_tensor(group["lr"], dtype=torch.float32, device=send.device)
         decay = 1.0 - lr * group["weight_decay"]
+        valid_per = valid.split([m.layout.batch for m in members]) if valid is not None else None
         for i, m in enumerate(members):
             if m.param.grad is None:
                 continue
             sl = slice(m.offset, m.offset + m.layout.batch)
             weight = m.layout.oriented(to_local(m.param))
-            apply_update(weight, views[i], result[sl], picked[i], lr * m.lr_scale, decay, group["momentum"], backend)
+            ok = valid_per[i] if valid_per is not None else None
+            apply_update(weight, views[i], result[sl], rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"], backend)
             if normuon:
-                self.state[m.param]["variance"].scatter_(1, picked[i], result_v[sl].float())
+                v_state = self._variance(m)
+                v_new = result_v[sl, :sel].float()
+                if ok is not None:
+                    v_new = torch.where(ok, v_new, v_state.gather(1, rows_per[i]))
+                v_state.scatter_(1, rows_per[i], v_new)
+
+    def _variance(self, m) -> torch.Tensor:
+        """(B, R) local view of a member's NorMuon second moment."""
+        return to_local(self.state[m.param]["variance"]).view(m.layout.batch, m.layout.local_rows)
+
+    def _select(
+        self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row indices (N, selected) into each local (B, R, C) view, and for global scope a
+        mask of which are really selected."""
+        device = views[0].device
+        n_rb, r_max = len(sg.block_rows), max(sg.block_rows)
+        if cfg.selection == "random":  # same draws on every rank: a global score table
+            scores = torch.rand(sg.batch, n_rb, r_max, device=device, generator=self._rng(device))
+        else:
+            local = torch.cat([l1_scores(v) for v in views])
+            if sg.col_blocks > 1 or (cfg.selection_scope == "global" and n_rb > 1):
+                local = torch.nn.functional.pad(local, (0, r_max - sg.local_rows))
+                scores = full_row_scores(sg.exchange, local, self.comm_stats)
+            else:
+                return top_rows(local, sg.selected), None
+        if cfg.selection_scope == "global":
+            return top_rows_global(scores, sg.block_rows, sg.row_block, sg.global_k, sg.selected)
+        return top_rows(scores[:, sg.row_block, : sg.local_rows], sg.selected), None
 
     def _rng(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

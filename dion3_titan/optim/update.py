@@ -6,19 +6,34 @@ import torch
 from dion3_titan.kernels.backend import Backend
 
 
-def select_rows(
-    momentum: torch.Tensor, k: int, method: str, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Indices (B, k) of the k rows of ``momentum`` (B, R, C) with the largest l1 norm (or k
-    random rows), sorted ascending so the selected submatrix keeps the rows' original order."""
-    rows = momentum.shape[1]
-    if k >= rows:
-        return torch.arange(rows, device=momentum.device).expand(momentum.shape[0], rows)
-    if method == "l1":
-        score = torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=torch.float32)
-    else:
-        score = torch.rand(momentum.shape[:2], device=momentum.device, generator=generator)
-    return score.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+def l1_scores(momentum: torch.Tensor) -> torch.Tensor:
+    """Row l1 norms (B, R) in float32 of momentum (B, R, C)."""
+    return torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=torch.float32)
+
+
+def top_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (N, k) of the k largest scores per row of (N, R), ascending, so the selected
+    submatrix keeps the rows' original order."""
+    if k >= scores.shape[1]:
+        return torch.arange(scores.shape[1], device=scores.device).expand(scores.shape[0], -1)
+    return scores.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+
+
+def top_rows_global(
+    scores: torch.Tensor, block_rows: tuple[int, ...], block: int, k: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global selection. ``scores`` (N, n_blocks, R_max) hold the scores of every row block
+    (block b has ``block_rows[b]`` real rows). The k best rows of the whole matrix are chosen;
+    returns this block's chosen rows as ``capacity`` indices (N, capacity) and a mask (N,
+    capacity) of which are really chosen (the rest pad the fixed-size buffer)."""
+    n, n_blocks, r_max = scores.shape
+    real = torch.arange(r_max, device=scores.device) < torch.tensor(block_rows, device=scores.device)[:, None]
+    flat = scores.masked_fill(~real, float("-inf")).reshape(n, n_blocks * r_max)
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen.scatter_(1, flat.topk(k, dim=1, sorted=False).indices, True)
+    mine = chosen.view(n, n_blocks, r_max)[:, block, : block_rows[block]]
+    rows = mine.float().topk(capacity, dim=1, sorted=False).indices.sort(dim=1).values
+    return rows, mine.gather(1, rows)
 
 
 def row_index(rows: torch.Tensor, cols: int) -> torch.Tensor:
@@ -31,13 +46,14 @@ def take_rows(m: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def normuon_normalize(
-    o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float
+    o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, cols: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NorMuon on orthogonalized rows o (N, k, C), in float32 (paper Sec. 6: lower precision
-    here hurt). v (N, k) is the rows' second moment. Returns (o_hat, new v) where o_hat's rows
+    here hurt). v (N, k) is the rows' second moment; ``cols`` the real column count (o may carry
+    zero padding columns). Returns (o_hat, new v) where o_hat's rows
     are divided by sqrt(v) + eps and the whole matrix is rescaled to o's Frobenius norm."""
     o32 = o.float()
-    v_new = v.float() * beta2 + (1.0 - beta2) * o32.square().mean(dim=-1)
+    v_new = v.float() * beta2 + (1.0 - beta2) * o32.square().sum(dim=-1) / cols
     o_hat = o32 / (v_new.sqrt() + eps).unsqueeze(-1)
     norm_o = torch.linalg.vector_norm(o32, dim=(-2, -1), keepdim=True)
     norm_hat = torch.linalg.vector_norm(o_hat, dim=(-2, -1), keepdim=True)
@@ -51,6 +67,7 @@ def apply_update(
     momentum: torch.Tensor,
     update: torch.Tensor,
     rows: torch.Tensor,
+    valid: torch.Tensor | None,
     lr: torch.Tensor,
     decay: torch.Tensor,
     mu: float,
@@ -58,7 +75,9 @@ def apply_update(
 ) -> None:
     """weight, momentum: (B, R, C) local views. Weight decay on every row, ``-lr * update`` on
     the selected rows (one rounding, in the backend's fused kernel), then error feedback:
-    only the selected momentum rows decay by mu."""
+    only the selected momentum rows decay by mu. Rows with ``valid`` False only pad a buffer:
+    their update is zero and their momentum is left alone."""
     backend.fused_update(weight, update, rows, lr, decay)
     index = row_index(rows, momentum.shape[-1])
-    momentum.scatter_(1, index, momentum.gather(1, index).mul_(mu))
+    factor = mu if valid is None else torch.where(valid, mu, 1.0).unsqueeze(-1).to(momentum.dtype)
+    momentum.scatter_(1, index, momentum.gather(1, index).mul_(factor))

@@ -1,0 +1,38 @@
+"""Run a function on N real processes joined by a gloo process group (CPU)."""
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, fn, *args) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; re-raise the first failure."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_entry, args=(world, _free_port(), fn, args, errors), nprocs=world, join=True, start_method="spawn")
+    except Exception as exc:
+        detail = errors.get() if not errors.empty() else ""
+        raise AssertionError(f"distributed run failed:\n{detail}") from exc
