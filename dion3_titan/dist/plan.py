@@ -27,6 +27,15 @@ class Member:
     lr_scale: float
     offset: int = 0  # first index of its matrices in the group's batch
 
+    @property
+    def variance_key(self) -> str:
+        """State key of this member's NorMuon second moment."""
+        return "variance"
+
+    def view(self, local: torch.Tensor) -> torch.Tensor:
+        """(B, R, C) view of this member in a local tensor shaped like the parameter's shard."""
+        return self.layout.oriented(local)
+
 
 @dataclass
 class ShapeGroup:
@@ -137,14 +146,28 @@ def build_groups(
         key = group_key(gi, layout, p.dtype)
         g = groups.setdefault(key, ShapeGroup(gi, key))
         g.members.append(Member(p, name, layout, scale))
-    loads: dict[int, list[float]] = {}
+    planned = []
     for g in groups.values():
+        planned.extend([g] if hyper[g.group_index]["megabatch"] else _per_shard_batches(g))
+    loads: dict[int, list[float]] = {}
+    for g in planned:
         offset = 0
         for m in g.members:
             m.offset = offset
             offset += m.layout.batch
         _plan_group(g, hyper[g.group_index], stats, loads)
-    return list(groups.values())
+    return planned
+
+
+def _per_shard_batches(g: ShapeGroup) -> list[ShapeGroup]:
+    """Without megabatching: consecutive batches of (about) as many matrices as shards."""
+    shards = math.prod(s.size for s in g.members[0].layout.matrix_shards())
+    out: list[ShapeGroup] = []
+    for m in g.members:
+        if not out or sum(x.layout.batch for x in out[-1].members) + m.layout.batch > shards:
+            out.append(ShapeGroup(g.group_index, (*g.key, len(out))))
+        out[-1].members.append(m)
+    return out
 
 
 def _plan_group(g: ShapeGroup, h: dict, stats: CommStats, loads: dict) -> None:

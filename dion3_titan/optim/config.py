@@ -89,6 +89,8 @@ class Dion3Config:
     selection_scope: str = "local"  # "local": top rows of each shard; "global": of the whole matrix
     selection_dim: str = "auto"  # "auto": the sharded dim, else the smaller; "rows" (dim -2); "cols" (dim -1)
     backend: str = "auto"  # kernels: "auto" | "torch" | "triton" | "cute"
+    megabatch: bool = True  # one batch (and one collective each way) per shape group; False:
+    # batches of as many matrices as the shards of each (for comparisons, paper Table 1)
     nonfinite: str = "raise"  # non-finite gradients: "raise" names the parameters; "skip" skips the step
     seed: int = 0  # random selection's generator seed
 

@@ -101,7 +101,7 @@ class Dion3(torch.optim.Optimizer):
                 st = self.state[m.param]
                 st["momentum"] = torch.zeros_like(m.param)
                 if cfg.flavor == "normuon":
-                    st["variance"] = row_state(m.param, m.layout)
+                    st[m.variance_key] = row_state(m.param, m.layout)
         for group, cfg in zip(self.param_groups, self._configs):
             if cfg is not None:
                 continue
@@ -145,7 +145,7 @@ class Dion3(torch.optim.Optimizer):
             torch._foreach_add_(moms, grads)  # 1. accumulate: M <- M + G
 
         # 2. select: this rank's rows of every matrix in the group, as one (N, R) batch
-        views = [m.layout.oriented(to_local(self.state[m.param]["momentum"])) for m in members]
+        views = [m.view(to_local(self.state[m.param]["momentum"])) for m in members]
         rows, valid = self._select(sg, cfg, views)
 
         # pack the selected rows (zero-padded to the group's fixed block) and NorMuon's v
@@ -184,7 +184,7 @@ class Dion3(torch.optim.Optimizer):
             if m.param.grad is None:
                 continue
             sl = slice(m.offset, m.offset + m.layout.batch)
-            weight = m.layout.oriented(to_local(m.param))
+            weight = m.view(to_local(m.param))
             ok = valid_per[i] if valid_per is not None else None
             apply_update(weight, views[i], result[sl], rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"], backend)
             if normuon:
@@ -196,7 +196,7 @@ class Dion3(torch.optim.Optimizer):
 
     def _variance(self, m) -> torch.Tensor:
         """(B, R) local view of a member's NorMuon second moment."""
-        return to_local(self.state[m.param]["variance"]).view(m.layout.batch, m.layout.local_rows)
+        return to_local(self.state[m.param][m.variance_key]).view(m.layout.batch, m.layout.local_rows)
 
     def _select(
         self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor]
