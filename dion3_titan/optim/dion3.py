@@ -47,6 +47,7 @@ class Dion3(torch.optim.Optimizer):
         adamw_opts = {k: options.pop(k, v) for k, v in ADAMW_DEFAULTS.items()}
         config = Dion3Config(lr=lr, **options)
         defaults = {**config.as_dict(), **adamw_opts, "algorithm": "dion3"}
+        self._configs = None
         super().__init__(params, defaults)
         self._configs: list[Dion3Config | None] = []
         for i, group in enumerate(self.param_groups):
@@ -91,7 +92,10 @@ class Dion3(torch.optim.Optimizer):
             for cfg in self._configs
         ]
         self._generator: torch.Generator | None = None
-        self.nonfinite_ns_events = 0
+        self._ns_bad_count: torch.Tensor | None = None
+        self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]
+        self._state_version = 0
+        self._device_consts: dict[tuple, torch.Tensor] = {}  # made once, read by captured steps
 
     def _init_state(self) -> None:
         """Every state tensor exists from construction on, identically on every rank (DCP)."""
@@ -107,12 +111,42 @@ class Dion3(torch.optim.Optimizer):
                 continue
             for p in group["params"]:
                 st = self.state[p]
-                st["step"] = torch.zeros((), dtype=torch.float32)
+                # on the parameter's device so the step can run inside a CUDA graph
+                st["step"] = torch.zeros((), dtype=torch.float32, device=to_local(p).device)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
+    @property
+    def state_version(self) -> int:
+        """Bumped whenever state tensors or param groups are replaced (a captured step must
+        then be captured again)."""
+        return self._state_version
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_configs", None) is not None:
+            raise ValueError(
+                "Dion3 builds its megabatch plan at construction; pass every param group to the constructor"
+            )
+        super().add_param_group(param_group)
+
+    def param_names(self, group: dict) -> list[str]:
+        return self._names(group)
+
     def load_state_dict(self, state_dict: dict) -> None:
+        # torch casts every floating state tensor to its parameter's dtype; NorMuon's second
+        # moment must stay float32 (bf16 loses it, and the float32 scatter into it fails).
+        var_keys = {id(m.param): m.variance_key for sg in self._groups for m in sg.members}
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        mine = [p for g in self.param_groups for p in g["params"]]
+        keep = {}
+        for sid, p in zip(saved_ids, mine):
+            value = state_dict["state"].get(sid, {}).get(var_keys.get(id(p)))
+            if torch.is_tensor(value):
+                keep[id(p)] = (p, value)
         super().load_state_dict(state_dict)
+        for p, value in keep.values():
+            self.state[p][var_keys[id(p)]] = value.to(device=p.device, dtype=torch.float32)
+        self._state_version += 1
         for i, group in enumerate(self.param_groups):
             if self._configs[i] is not None:
                 self._configs[i] = Dion3Config(**{k: group[k] for k in Dion3Config.keys()})
@@ -124,14 +158,53 @@ class Dion3(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group, cfg in zip(self.param_groups, self._configs):
-            if cfg is None:
-                self._adamw_step(group)
-        for sg in self._groups:
-            self._matrix_step(sg)
+        if not self._grads_finite():
+            return loss
+        self.load_hyperparameters()
+        self.step_body(sync_check=True)
         return loss
 
-    def _matrix_step(self, sg: ShapeGroup) -> None:
+    def _grads_finite(self) -> bool:
+        """``nonfinite``: "raise" names the parameters with a non-finite gradient
+        (FloatingPointError); "skip" returns False so the whole step is skipped. One host sync.
+        (Single-process decision: distributed runs must agree on it across ranks.)"""
+        named = [
+            (name, to_local(p.grad))
+            for g in self.param_groups
+            for p, name in zip(g["params"], self._names(g))
+            if p.grad is not None
+        ]
+        if not named:
+            return True
+        finite = torch.stack([torch.isfinite(grad).all() for _, grad in named]).tolist()
+        if all(finite):
+            return True
+        if self.defaults["nonfinite"] == "skip":
+            return False
+        bad = [name for (name, _), ok in zip(named, finite) if not ok]
+        raise FloatingPointError(f"Dion3: non-finite gradient in {bad} (nonfinite='skip' skips such steps)")
+
+    def load_hyperparameters(self) -> None:
+        """Copy each group's lr and weight decay into its device tensors. Kept out of
+        ``step_body`` so a captured step reads live values (LR schedules keep working)."""
+        for gi, group in enumerate(self.param_groups):
+            if not group["params"]:
+                continue
+            t = self._hyper.get(gi)
+            if t is None:
+                t = self._hyper[gi] = torch.zeros(2, dtype=torch.float32, device=to_local(group["params"][0]).device)
+            t.copy_(torch.tensor([group["lr"], group["weight_decay"]], dtype=torch.float32), non_blocking=True)
+
+    def step_body(self, sync_check: bool) -> None:
+        """Everything a step does on the device. With ``sync_check`` False it never waits on
+        the device (required inside CUDA-graph capture)."""
+        for gi, (group, cfg) in enumerate(zip(self.param_groups, self._configs)):
+            if cfg is None:
+                self._adamw_step(gi, group)
+        for sg in self._groups:
+            self._matrix_step(sg, sync_check)
+
+    def _matrix_step(self, sg: ShapeGroup, sync_check: bool = True) -> None:
         group = self.param_groups[sg.group_index]
         cfg = self._configs[sg.group_index]
         normuon = cfg.flavor == "normuon"
@@ -166,9 +239,8 @@ class Dion3(torch.optim.Optimizer):
         # 3-5. gather to owners, orthogonalize the batch (+ NorMuon), scatter back
         owned, owned_v = sg.exchange.gather(send, send_v)
         backend = select_backend(cfg.backend, tuple(owned.shape), cfg.compute_dtype, owned.device)
-        ortho, bad = orthogonalize_checked(owned, self._ns[sg.group_index], backend)
-        if bad.numel():
-            self.nonfinite_ns_events += int(bad.sum())
+        ortho, bad = orthogonalize_checked(owned, self._ns[sg.group_index], backend, sync_check)
+        self._ns_bad(bad)
         if normuon:
             ortho, owned_v = normuon_normalize(
                 ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, sg.members[0].layout.global_cols
@@ -177,8 +249,8 @@ class Dion3(torch.optim.Optimizer):
         result = result[:, :sel, : sg.local_cols]
 
         # 6. update: decay all rows, subtract on the selected rows, error feedback
-        lr = torch.as_tensor(group["lr"], dtype=torch.float32, device=send.device)
-        decay = 1.0 - lr * group["weight_decay"]
+        lr, wd = self._hyper[sg.group_index].unbind()
+        decay = 1.0 - lr * wd
         valid_per = valid.split([m.layout.batch for m in members]) if valid is not None else None
         for i, m in enumerate(members):
             if m.param.grad is None:
@@ -215,8 +287,25 @@ class Dion3(torch.optim.Optimizer):
             else:
                 return top_rows(local, sg.selected), None
         if cfg.selection_scope == "global":
-            return top_rows_global(scores, sg.block_rows, sg.row_block, sg.global_k, sg.selected)
+            key = ("block_rows", id(sg))
+            if key not in self._device_consts:
+                self._device_consts[key] = torch.tensor(sg.block_rows, device=device)
+            block_rows = self._device_consts[key]
+            return top_rows_global(scores, block_rows, sg.row_block, sg.local_rows, sg.global_k, sg.selected)
         return top_rows(scores[:, sg.row_block, : sg.local_rows], sg.selected), None
+
+    def _ns_bad(self, bad: torch.Tensor) -> None:
+        """Count matrices whose NS result was not finite, on the device (no sync)."""
+        if bad.numel():
+            if self._ns_bad_count is None:
+                self._ns_bad_count = torch.zeros((), dtype=torch.int64, device=bad.device)
+            self._ns_bad_count += bad.sum()
+
+    @property
+    def nonfinite_ns_events(self) -> int:
+        """Matrices whose Newton-Schulz result was not finite so far (recomputed in eager
+        steps, skipped in captured ones). Reading it synchronizes."""
+        return 0 if self._ns_bad_count is None else int(self._ns_bad_count)
 
     def _rng(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -224,7 +313,7 @@ class Dion3(torch.optim.Optimizer):
             self._generator.manual_seed(self.defaults["seed"])
         return self._generator
 
-    def _adamw_step(self, group: dict) -> None:
+    def _adamw_step(self, gi: int, group: dict) -> None:
         params, grads, avgs, sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -238,8 +327,10 @@ class Dion3(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
+        on_gpu = to_local(params[0]).is_cuda
         adamw(
             params, grads, avgs, sqs, [], steps,
-            foreach=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            foreach=True, capturable=on_gpu, amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=self._hyper[gi][0] if on_gpu else group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )

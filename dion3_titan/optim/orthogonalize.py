@@ -136,6 +136,10 @@ def orthogonalize_checked(
                     orthogonalize(x[idx].float(), fallback, TorchOps()).to(fixed.dtype),
                     fixed,
                 )
+                # A non-finite input (inf/NaN) defeats every retry: zero it (no update), as
+                # the capture path below does, rather than return a non-finite matrix.
+                finite = torch.isfinite(fixed).flatten(1).all(dim=1)
+                fixed = torch.where(finite[:, None, None], fixed, torch.zeros_like(fixed))
             out = out.index_copy(0, idx, fixed.to(out.dtype))
         return out, bad
     out = torch.where(bad[:, None, None], torch.zeros_like(out), out)

@@ -20,18 +20,19 @@ def top_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_rows_global(
-    scores: torch.Tensor, block_rows: tuple[int, ...], block: int, k: int, capacity: int
+    scores: torch.Tensor, block_rows: torch.Tensor, block: int, local_rows: int, k: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global selection. ``scores`` (N, n_blocks, R_max) hold the scores of every row block
-    (block b has ``block_rows[b]`` real rows). The k best rows of the whole matrix are chosen;
+    (block b has ``block_rows[b]`` real rows; a device tensor, this rank's block has
+    ``local_rows``). The k best rows of the whole matrix are chosen;
     returns this block's chosen rows as ``capacity`` indices (N, capacity) and a mask (N,
     capacity) of which are really chosen (the rest pad the fixed-size buffer)."""
     n, n_blocks, r_max = scores.shape
-    real = torch.arange(r_max, device=scores.device) < torch.tensor(block_rows, device=scores.device)[:, None]
+    real = torch.arange(r_max, device=scores.device) < block_rows[:, None]
     flat = scores.masked_fill(~real, float("-inf")).reshape(n, n_blocks * r_max)
     chosen = torch.zeros_like(flat, dtype=torch.bool)
     chosen.scatter_(1, flat.topk(k, dim=1, sorted=False).indices, True)
-    mine = chosen.view(n, n_blocks, r_max)[:, block, : block_rows[block]]
+    mine = chosen.view(n, n_blocks, r_max)[:, block, :local_rows]
     rows = mine.float().topk(capacity, dim=1, sorted=False).indices.sort(dim=1).values
     return rows, mine.gather(1, rows)
 

@@ -1,0 +1,116 @@
+"""Capture the whole optimizer step once and replay it (paper Sec. 6, App. D.2).
+
+Row selection, the gathers, Gram NS, the scatters, the fused updates and AdamW issue many
+small kernels; replaying a CUDA graph turns their host cost into one launch. The learning
+rate and weight decay stay live: they are device tensors refreshed before every replay, so
+LR schedules (torchtitan's LambdaLR) still apply.
+"""
+
+import torch
+
+from dion3_titan.dist.layout import to_local
+
+
+class GraphedOptimizer:
+    """Wraps a ``Dion3``: eager for ``warmup_steps`` steps (compiling kernels, allocating
+    buffers), then capture once and replay every step.
+
+    Gradients are read from the tensors that held them at capture time: when a step's
+    gradients live elsewhere (FSDP2 may hand out new gradient tensors), they are copied there
+    first, in one multi-tensor copy. ``load_state_dict`` and param-group changes re-capture.
+    Call ``release`` before destroying the process group.
+    """
+
+    def __init__(self, optimizer, warmup_steps: int = 3) -> None:
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps!r}: must be >= 1 (kernels compile and buffers settle eagerly)")
+        self.optimizer = optimizer
+        self.warmup_steps = warmup_steps
+        self._eager_steps = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._grads: list[torch.Tensor] = []
+        self._params: list[torch.Tensor] = []
+        self._version = None
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+    def _signature(self):
+        opt = self.optimizer
+        return (opt.state_version, tuple(id(p) for g in opt.param_groups for p in g["params"]))
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("GraphedOptimizer.step does not take a closure: compute the loss and gradients before step()")
+        if self._graph is not None and self._version != self._signature():
+            self.release()
+        if self._graph is None and self._eager_steps < self.warmup_steps:
+            self._side_stream_run(lambda: self.optimizer.step())
+            self._eager_steps += 1
+            return None
+        if self._graph is None:
+            self._capture()
+        self._refresh_grads()
+        self.optimizer.load_hyperparameters()
+        self._graph.replay()
+        return None
+
+    def _side_stream_run(self, fn) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            fn()
+        current.wait_stream(self._stream)
+
+    def _capture(self) -> None:
+        opt = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        missing = [n for g in opt.param_groups for p, n in zip(g["params"], opt.param_names(g)) if p.grad is None]
+        if missing:
+            raise ValueError(
+                f"cuda_graph: cannot capture the optimizer step: parameters without a gradient at capture "
+                f"time: {missing[:8]}{' ...' if len(missing) > 8 else ''}. A captured step reads every "
+                "gradient; freeze such parameters (requires_grad=False) or disable cuda_graph"
+            )
+        self._params = params
+        self._grads = [to_local(p.grad) for p in params]
+        opt.load_hyperparameters()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        with torch.cuda.graph(graph, stream=self._stream):
+            opt.step_body(sync_check=False)
+        self._graph = graph
+        self._version = self._signature()
+
+    def _refresh_grads(self) -> None:
+        stale_dst, stale_src = [], []
+        for p, held in zip(self._params, self._grads):
+            g = to_local(p.grad)
+            if g.data_ptr() != held.data_ptr():
+                stale_dst.append(held)
+                stale_src.append(g)
+        if stale_dst:
+            torch._foreach_copy_(stale_dst, stale_src)
+
+    def release(self) -> None:
+        """Free the graph (before the process group it captured collectives on goes away)."""
+        if self._graph is not None:
+            torch.cuda.synchronize()
+            self._graph = None
+            self._grads, self._params = [], []
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.release()
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Gradients must stay where the graph reads them; FSDP2 overwrites them anyway.
+        self.optimizer.zero_grad(set_to_none=False)
