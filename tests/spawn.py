@@ -14,10 +14,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
+def _entry(rank: int, world: int, port: int, fn, args, errors, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -27,12 +31,13 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
         dist.destroy_process_group()
 
 
-def spawn(world: int, fn, *args) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; re-raise the first failure."""
+def spawn(world: int, fn, *args, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks (gloo on CPU, or nccl with
+    one GPU each); re-raise the first failure."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world, _free_port(), fn, args, errors), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(world, _free_port(), fn, args, errors, backend), nprocs=world, join=True, start_method="spawn")
     except Exception as exc:
         detail = errors.get() if not errors.empty() else ""
         raise AssertionError(f"distributed run failed:\n{detail}") from exc

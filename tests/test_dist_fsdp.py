@@ -36,7 +36,7 @@ def grads_for(step: int, shapes):
 CONFIGS = [(1.0, "muon", "local"), (0.25, "normuon", "local"), (0.25, "muon", "global"), (1.0, "normuon", "global")]
 
 
-def _run(world, fraction, flavor, scope, n_layers, steps, shapes=SHAPES):
+def _run(world, fraction, flavor, scope, n_layers, steps, shapes=SHAPES, device="cpu", backend="torch"):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
@@ -45,20 +45,21 @@ def _run(world, fraction, flavor, scope, n_layers, steps, shapes=SHAPES):
     model = Bag(n_layers, shapes)
     full0 = [p.detach().clone() for p in model.parameters()]
     shapes = [tuple(p.shape) for p in model.parameters()]
+    model.to(device)
     fully_shard(model)
     params = list(model.parameters())
     opt = Dion3(
         [{"params": params}], lr=0.05, fraction=fraction, flavor=flavor, selection_scope=scope,
-        ns_dtype="float32", weight_decay=0.1, backend="torch",
+        ns_dtype="float32", weight_decay=0.1, backend=backend,
     )
     calls = []
     for step in range(steps):
         for p, g in zip(params, grads_for(step, shapes)):
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            p.grad = distribute_tensor(g.to(device), p.device_mesh, p.placements)
         opt.comm_stats.reset()
         opt.step()
         calls.append((opt.comm_stats.calls, opt.comm_stats.bytes))
-    final = [p.full_tensor() for p in params]
+    final = [p.full_tensor().cpu() for p in params]
     ref = TextbookDion3(shapes, lr=0.05, fraction=fraction, flavor=flavor, wd=0.1,
                         chunks=None if scope == "global" else world)
     weights = [w.clone() for w in full0]
