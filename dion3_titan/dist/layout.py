@@ -4,7 +4,9 @@ Everything past this module works on plain local tensors of shape (B, R, C): B m
 rows (the dimension rows are selected along) by C columns.
 """
 
+import itertools
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -16,6 +18,11 @@ except ImportError:  # pragma: no cover - torch without distributed
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return bool(DTensor) and isinstance(t, DTensor)
+
+
+def _is_shard(placement) -> bool:
+    """Shard or _StridedShard (not a Shard subclass in recent torch)."""
+    return isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard"
 
 
 def to_local(t: torch.Tensor) -> torch.Tensor:
@@ -42,6 +49,16 @@ class MatrixLayout:
     shards: tuple[MeshDim, ...] = field(default_factory=tuple)  # dims that cut the tensor
     replicas: tuple[MeshDim, ...] = field(default_factory=tuple)  # Replicate mesh dims
     mesh: object = None  # the DeviceMesh (None for a plain tensor)
+    # A piece (optim/split.py): this layout then describes the row slice ``piece`` (dim -2) of
+    # the parameter; ``local_piece`` is where the piece's rows sit in the local shard (a view).
+    piece: slice | None = None
+    local_piece: slice | None = None
+    # Rows of dim -2 held by each coordinate of the mesh dims that cut dim -2 (row-major over
+    # those dims; () when dim -2 is whole on every rank). Rank-independent: part of the group key.
+    row_counts: tuple[int, ...] = ()
+    # The piece's rows are spread over the ranks as torch.chunk would spread them (or are not
+    # cut at all): its NorMuon state can be a DTensor like the parameter's.
+    piece_chunked: bool = True
 
     @property
     def d_out(self) -> int:
@@ -80,6 +97,13 @@ class MatrixLayout:
         m = local.reshape(self.batch, *local.shape[-2:]) if local.ndim != 3 else local
         return m if self.row_dim == -2 else m.mT
 
+    def piece_view(self, local: torch.Tensor) -> torch.Tensor:
+        """(B, R, C) view of this layout's matrix in a local tensor shaped like the parameter's
+        shard: the piece's local rows (a strided slice of dim -2, possibly empty), oriented."""
+        if self.local_piece is not None:
+            local = local[..., self.local_piece, :]
+        return self.oriented(local)
+
     @property
     def col_dim(self) -> int:
         return -1 if self.row_dim == -2 else -2
@@ -102,20 +126,98 @@ def _choose_row_dim(global_shape: tuple[int, ...], sharded_matrix_dims: set[int]
     return -2 if global_shape[-2] <= global_shape[-1] else -1
 
 
-def describe(param: torch.Tensor, selection_dim: str) -> MatrixLayout:
-    """Read a parameter's DTensor mesh and placements (or a plain tensor) into a layout."""
+def _shard_rows(placement, size: int, chunks: int, rank: int) -> torch.Tensor:
+    """Indices (into a dim of ``size``) that ``placement`` keeps on ``rank`` of ``chunks``,
+    as DTensor computes them (torch.chunk for Shard; _StridedShard's strided offsets)."""
+    if type(placement).__name__ == "_StridedShard":
+        try:
+            from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+            n, offsets = placement._local_shard_size_and_offset(size, chunks, rank, _StridedShardOffsetMode.ALL)
+        except ImportError:  # pragma: no cover - older torch
+            n, offsets = placement._local_shard_size_and_offset(size, chunks, rank, return_first_offset=False)
+        return torch.tensor(list(offsets)[:n], dtype=torch.long)
+    n, offset = Shard.local_shard_size_and_offset(size, chunks, rank)
+    return torch.arange(offset, offset + n, dtype=torch.long)
+
+
+def _rows_at(rows: int, cuts: tuple, coords: tuple[int, ...]) -> torch.Tensor:
+    """Global indices of dim -2 held at ``coords`` of the mesh dims ``cuts`` ((placement,
+    size) in mesh-dim order) that cut dim -2: sharding applied left to right, as DTensor does."""
+    index = torch.arange(rows, dtype=torch.long)
+    for (placement, size), c in zip(cuts, coords):
+        index = index[_shard_rows(placement, index.numel(), size, c)]
+    return index
+
+
+def _in_piece(index: torch.Tensor, piece: slice) -> torch.Tensor:
+    return (index >= piece.start) & (index < piece.stop) & ((index - piece.start) % piece.step == 0)
+
+
+@lru_cache(maxsize=None)
+def _row_counts(rows: int, cuts: tuple, piece: tuple[int, int, int] | None) -> tuple[int, ...]:
+    """Rows of ``piece`` (of all of dim -2 when None) held at every coordinate of ``cuts``."""
+    out = []
+    for coords in itertools.product(*(range(size) for _, size in cuts)):
+        index = _rows_at(rows, cuts, coords)
+        out.append(int(_in_piece(index, slice(*piece)).sum()) if piece else index.numel())
+    return tuple(out)
+
+
+def normalize_piece(piece: slice, rows: int) -> slice:
+    """``piece`` as slice(start, stop, step) with step >= 1 and stop just past its last row."""
+    start, stop, step = piece.indices(rows)
+    if step < 1:
+        raise ValueError(f"a piece must be an increasing row slice, got {piece}")
+    n = len(range(start, stop, step))
+    return slice(start, start + (n - 1) * step + 1 if n else start, step)
+
+
+def _local_piece(index: torch.Tensor, piece: slice, name: str) -> slice:
+    """Where the rows of ``piece`` sit among the local rows ``index`` (global row of each
+    local row), as a slice, so that the piece's local part is a view of the shard."""
+    pos = torch.nonzero(_in_piece(index, piece)).flatten().tolist()
+    if not pos:
+        return slice(0, 0, 1)
+    step = pos[1] - pos[0] if len(pos) > 1 else 1
+    if any(b - a != step for a, b in zip(pos, pos[1:])):
+        raise ValueError(
+            f"{name}: the rows {piece} of dim -2 are not evenly spaced in this rank's shard, so "
+            "they cannot be viewed without a copy; use a sharding that keeps each piece's local "
+            "rows evenly spaced (e.g. plain Shard on dim -2) or drop the split for this parameter"
+        )
+    return slice(pos[0], pos[-1] + 1, step)
+
+
+def describe(param: torch.Tensor, selection_dim: str, piece: slice | None = None, name: str = "") -> MatrixLayout:
+    """Read a parameter's DTensor mesh and placements (or a plain tensor) into a layout.
+
+    With ``piece`` (a row slice of dim -2) the layout describes that piece as its own matrix:
+    global shape (..., len(piece), d_in), the piece's rows in this rank's shard (possibly none)
+    and a row_dim chosen for the piece's shape."""
     if param.ndim not in (2, 3):
         raise ValueError(f"a Dion3 parameter must be 2D or 3D, got shape {tuple(param.shape)}")
     global_shape = tuple(param.shape)
+    name = name or f"parameter of shape {global_shape}"
+    rows = global_shape[-2]
+    if piece is not None:
+        piece = normalize_piece(piece, rows)
+        n = len(range(piece.start, piece.stop, piece.step))
+        if n == 0:
+            raise ValueError(f"{name}: empty piece {piece}")
+        piece_global = (*global_shape[:-2], n, global_shape[-1])
     if not is_dtensor(param):
-        row_dim = _choose_row_dim(global_shape, set(), selection_dim)
-        return MatrixLayout(global_shape, global_shape, row_dim)
+        if piece is None:
+            row_dim = _choose_row_dim(global_shape, set(), selection_dim)
+            return MatrixLayout(global_shape, global_shape, row_dim)
+        row_dim = _choose_row_dim(piece_global, set(), selection_dim)
+        return MatrixLayout(piece_global, piece_global, row_dim, piece=piece, local_piece=piece)
     mesh = param.device_mesh
     shards, replicas = [], []
     for mesh_dim, placement in enumerate(param.placements):
         size = mesh.size(mesh_dim)
         rank = mesh.get_local_rank(mesh_dim)
-        if isinstance(placement, Shard):  # _StridedShard too: which rows are local is all we need
+        if _is_shard(placement):  # _StridedShard too: which rows are local is all we need
             shards.append(MeshDim(placement.dim - param.ndim, mesh_dim, size, rank))
         elif isinstance(placement, Replicate):
             replicas.append(MeshDim(0, mesh_dim, size, rank))
@@ -126,8 +228,26 @@ def describe(param: torch.Tensor, selection_dim: str) -> MatrixLayout:
             )
     local_shape = tuple(param.to_local().shape)
     matrix_dims = {s.tensor_dim for s in shards if s.tensor_dim >= -2}
-    row_dim = _choose_row_dim(global_shape, matrix_dims, selection_dim)
-    return MatrixLayout(global_shape, local_shape, row_dim, tuple(shards), tuple(replicas), mesh)
+    cuts = tuple((param.placements[s.mesh_dim], s.size) for s in shards if s.tensor_dim == -2)
+    coords = tuple(s.rank for s in shards if s.tensor_dim == -2)
+    if piece is None:
+        row_dim = _choose_row_dim(global_shape, matrix_dims, selection_dim)
+        counts = _row_counts(rows, cuts, None) if cuts else ()
+        return MatrixLayout(global_shape, local_shape, row_dim, tuple(shards), tuple(replicas), mesh, row_counts=counts)
+    row_dim = _choose_row_dim(piece_global, matrix_dims, selection_dim)
+    local_piece = _local_piece(_rows_at(rows, cuts, coords), piece, name)
+    n_local = len(range(local_piece.start, local_piece.stop, local_piece.step))
+    piece_local = (*local_shape[:-2], n_local, local_shape[-1])
+    counts = _row_counts(rows, cuts, (piece.start, piece.stop, piece.step)) if cuts else ()
+    chunked = not cuts or (
+        len(cuts) == 1
+        and type(cuts[0][0]).__name__ != "_StridedShard"
+        and counts == tuple(_row_counts(piece_global[-2], cuts, None))
+    )
+    return MatrixLayout(
+        piece_global, piece_local, row_dim, tuple(shards), tuple(replicas), mesh,
+        piece=piece, local_piece=local_piece, row_counts=counts, piece_chunked=chunked,
+    )
 
 
 def row_state(param: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
@@ -140,10 +260,15 @@ def row_state(param: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
     zeros = torch.zeros(shape, dtype=torch.float32, device=local.device)
     if not is_dtensor(param):
         return zeros
+    if layout.row_dim == -2 and not layout.piece_chunked:
+        # A piece whose rows the shards cut unevenly (not as torch.chunk would): no DTensor
+        # placement describes it, so its state is this rank's plain local part. (DCP cannot
+        # reshard it; checkpoints need the same sharding to load.)
+        return zeros
     ndim = len(shape)
     placements = []
     for placement in param.placements:
-        if isinstance(placement, Shard):
+        if _is_shard(placement):
             dim = placement.dim - param.ndim
             if dim == layout.row_dim:
                 new_dim = ndim - 1

@@ -19,22 +19,32 @@ from dion3_titan.optim.config import lr_scale
 
 @dataclass
 class Member:
-    """One matrix parameter (possibly a stack of B matrices) inside a shape group."""
+    """One matrix parameter (possibly a stack of B matrices) inside a shape group, or one
+    piece of a split parameter (optim/split.py): a row slice of dim -2 that is its own matrix
+    (own k, lr scale, shape group and NorMuon state). ``layout`` describes what the member
+    is (the piece, when there is one)."""
 
     param: torch.Tensor
     name: str
     layout: MatrixLayout
     lr_scale: float
     offset: int = 0  # first index of its matrices in the group's batch
+    piece_index: int | None = None  # which piece of ``param`` (None: the whole parameter)
+
+    @property
+    def piece(self) -> slice | None:
+        """Global rows (dim -2) of the parameter this member is; None for the whole of it."""
+        return self.layout.piece
 
     @property
     def variance_key(self) -> str:
-        """State key of this member's NorMuon second moment."""
-        return "variance"
+        """State key of this member's NorMuon second moment (one per piece)."""
+        return "variance" if self.piece_index is None else f"variance.{self.piece_index}"
 
     def view(self, local: torch.Tensor) -> torch.Tensor:
-        """(B, R, C) view of this member in a local tensor shaped like the parameter's shard."""
-        return self.layout.oriented(local)
+        """(B, R, C) view of this member in a local tensor shaped like the parameter's shard
+        (no copy: writes go through to ``local``)."""
+        return self.layout.piece_view(local)
 
 
 @dataclass
@@ -82,6 +92,7 @@ def group_key(group_index: int, layout: MatrixLayout, dtype: torch.dtype) -> tup
         mesh_id,
         tuple((s.tensor_dim, s.mesh_dim) for s in layout.matrix_shards()),
         tuple(s.mesh_dim for s in layout.replicas),
+        layout.row_counts,  # pieces of one shape can be cut differently by the shards
     )
 
 
@@ -135,17 +146,20 @@ def _all_gather_ints(values: list[int], group, device: torch.device) -> torch.Te
 
 
 def build_groups(
-    entries: list[tuple[int, torch.Tensor, str, MatrixLayout]], hyper: list[dict], stats: CommStats
+    entries: list[tuple], hyper: list[dict], stats: CommStats
 ) -> list[ShapeGroup]:
-    """``entries``: (param group index, param, name, layout) in a rank-independent order;
-    ``hyper[i]``: param group i's options. Collective over the ranks of each gather group."""
+    """``entries``: (param group index, param, name, layout) or, for a piece of a split
+    parameter, (param group index, param, name, piece layout, piece index), in a
+    rank-independent order; ``hyper[i]``: param group i's options. Collective over the ranks
+    of each gather group."""
     groups: dict[tuple, ShapeGroup] = {}
-    for gi, p, name, layout in entries:
+    for gi, p, name, layout, *piece in entries:
         h = hyper[gi]
         scale = lr_scale(layout.d_out, layout.d_in, h["lr_rule"], h["fraction"], h["fraction_lr_transfer"])
         key = group_key(gi, layout, p.dtype)
         g = groups.setdefault(key, ShapeGroup(gi, key))
-        g.members.append(Member(p, name, layout, scale))
+        index = piece[0] if piece else None
+        g.members.append(Member(p, name if index is None else f"{name}[{index}]", layout, scale, piece_index=index))
     planned = []
     for g in groups.values():
         planned.extend([g] if hyper[g.group_index]["megabatch"] else _per_shard_batches(g))

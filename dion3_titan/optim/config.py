@@ -93,6 +93,13 @@ class Dion3Config:
     # batches of as many matrices as the shards of each (for comparisons, paper Table 1)
     nonfinite: str = "raise"  # non-finite gradients: "raise" names the parameters; "skip" skips the step
     seed: int = 0  # random selection's generator seed
+    # Fused-weight splitting (optim/split.py, docs/splitting.md): pieces of a parameter that are
+    # orthogonalized as separate matrices. One string, specs joined by "|" (the Python API also
+    # takes a list), e.g. "pattern=layers.*.attention.wqkv.weight;sizes=512,128,128".
+    split_specs: str = ""
+    split_heads: int = 0  # H > 0: split the params matching split_heads_pattern into H row blocks
+    split_heads_pattern: str = "*.attention.wq.weight"  # glob(s) on param names, "|"-separated
+    split_auto: bool = True  # torchtitan plugin: add auto_split_specs(model) after split_specs
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,6 +134,18 @@ class Dion3Config:
         if not (self.ns_safety_factor >= 1.0):
             raise ValueError(f"ns_safety_factor={self.ns_safety_factor!r}: must be >= 1")
         self.coefficients()  # validates ns_coefficients
+        from dion3_titan.optim.split import normalize_specs
+
+        self.split_specs = normalize_specs(self.split_specs)  # ValueError naming split_specs[i]
+        if isinstance(self.split_heads, bool) or not isinstance(self.split_heads, int) or self.split_heads < 0:
+            raise ValueError(f"split_heads={self.split_heads!r}: must be an integer >= 0 (0: off)")
+        if not isinstance(self.split_heads_pattern, str) or (self.split_heads and not self.split_heads_pattern.strip()):
+            raise ValueError(
+                f"split_heads_pattern={self.split_heads_pattern!r}: must be a glob on parameter names "
+                "(several joined by '|'), e.g. '*.attention.wq.weight'"
+            )
+        if not isinstance(self.split_auto, bool):
+            raise ValueError(f"split_auto={self.split_auto!r}: must be true or false")
 
     def coefficients(self) -> Coefficients:
         coeffs = coefficient_schedule(self.ns_coefficients, self.ns_steps, self.ns_safety_factor)

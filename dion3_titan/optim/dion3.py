@@ -17,6 +17,7 @@ from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import select_backend
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize_checked
+from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.update import (
     apply_update,
     l1_scores,
@@ -82,7 +83,11 @@ class Dion3(torch.optim.Optimizer):
             if cfg is None:
                 continue
             for p, name in zip(group["params"], self._names(group)):
-                entries.append((gi, p, name, describe(p, cfg.selection_dim)))
+                pieces = split_pieces(name, tuple(p.shape), cfg)  # fused weights (optim/split.py)
+                if pieces is None:
+                    entries.append((gi, p, name, describe(p, cfg.selection_dim)))
+                else:
+                    entries.extend((gi, p, name, describe(p, cfg.selection_dim, pc, name), i) for i, pc in enumerate(pieces))
         self.comm_stats = CommStats()
         self._groups: list[ShapeGroup] = build_groups(entries, hyper, self.comm_stats)
         self._ns: list[NSSettings | None] = [
@@ -103,7 +108,8 @@ class Dion3(torch.optim.Optimizer):
             cfg = self._configs[sg.group_index]
             for m in sg.members:
                 st = self.state[m.param]
-                st["momentum"] = torch.zeros_like(m.param)
+                if "momentum" not in st:  # one per parameter, shared by its pieces
+                    st["momentum"] = torch.zeros_like(m.param)
                 if cfg.flavor == "normuon":
                     st[m.variance_key] = row_state(m.param, m.layout)
         for group, cfg in zip(self.param_groups, self._configs):
@@ -135,17 +141,19 @@ class Dion3(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every floating state tensor to its parameter's dtype; NorMuon's second
         # moment must stay float32 (bf16 loses it, and the float32 scatter into it fails).
-        var_keys = {id(m.param): m.variance_key for sg in self._groups for m in sg.members}
+        var_keys: dict[int, set[str]] = {}  # a split parameter has one second moment per piece
+        for sg in self._groups:
+            for m in sg.members:
+                var_keys.setdefault(id(m.param), set()).add(m.variance_key)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         mine = [p for g in self.param_groups for p in g["params"]]
-        keep = {}
+        keep = []
         for sid, p in zip(saved_ids, mine):
-            value = state_dict["state"].get(sid, {}).get(var_keys.get(id(p)))
-            if torch.is_tensor(value):
-                keep[id(p)] = (p, value)
+            saved = state_dict["state"].get(sid, {})
+            keep += [(p, key, saved[key]) for key in var_keys.get(id(p), ()) if torch.is_tensor(saved.get(key))]
         super().load_state_dict(state_dict)
-        for p, value in keep.values():
-            self.state[p][var_keys[id(p)]] = value.to(device=p.device, dtype=torch.float32)
+        for p, key, value in keep:
+            self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
         self._state_version += 1
         for i, group in enumerate(self.param_groups):
             if self._configs[i] is not None:
@@ -239,7 +247,9 @@ class Dion3(torch.optim.Optimizer):
         # 3-5. gather to owners, orthogonalize the batch (+ NorMuon), scatter back
         owned, owned_v = sg.exchange.gather(send, send_v)
         backend = select_backend(cfg.backend, tuple(owned.shape), cfg.compute_dtype, owned.device)
-        ortho, bad = orthogonalize_checked(owned, self._ns[sg.group_index], backend, sync_check)
+        real_rows = sg.global_k if cfg.selection_scope == "global" else sum(min(sg.k, r) for r in sg.block_rows)
+        tall = real_rows > members[0].layout.global_cols
+        ortho, bad = orthogonalize_checked(owned, self._ns[sg.group_index], backend, sync_check, tall)
         self._ns_bad(bad)
         if normuon:
             ortho, owned_v = normuon_normalize(

@@ -84,14 +84,20 @@ def resolve_algorithm(algorithm: str, n: int, m: int) -> str:
     return algorithm
 
 
-def orthogonalize(x: torch.Tensor, settings: NSSettings, backend: Backend) -> torch.Tensor:
+def orthogonalize(
+    x: torch.Tensor, settings: NSSettings, backend: Backend, tall: bool | None = None
+) -> torch.Tensor:
     """polar(x) for a batch x (B, n, m) of either orientation; result in ``settings.dtype``.
 
     A tall input is processed as its transpose (a view, no copy) and transposed back.
+    ``tall`` overrides the orientation when x carries zero padding: the Gram matrix must be
+    formed on the side of the real (unpadded) shape that is smaller, or its null space holds
+    rounding noise that the iteration amplifies; zero rows or columns stay exactly zero.
     """
     if x.ndim != 3:
         raise ValueError(f"orthogonalize expects a (B, n, m) batch, got shape {tuple(x.shape)}")
-    tall = x.shape[-2] > x.shape[-1]
+    if tall is None:
+        tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
     n, m = x.shape[-2:]
@@ -104,7 +110,7 @@ def orthogonalize(x: torch.Tensor, settings: NSSettings, backend: Backend) -> to
 
 
 def orthogonalize_checked(
-    x: torch.Tensor, settings: NSSettings, backend: Backend, sync_check: bool = True
+    x: torch.Tensor, settings: NSSettings, backend: Backend, sync_check: bool = True, tall: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``orthogonalize`` that never returns a non-finite matrix.
 
@@ -113,7 +119,7 @@ def orthogonalize_checked(
     iteration and, failing that, standard NS in float32; without it (CUDA-graph capture, where
     the host may not look) they are zeroed so the update skips them, and ``bad`` is counted.
     """
-    out = orthogonalize(x, settings, backend)
+    out = orthogonalize(x, settings, backend, tall)
     bad = ~torch.isfinite(out).flatten(1).all(dim=1)
     if sync_check:
         if bool(bad.any()):
@@ -125,7 +131,7 @@ def orthogonalize_checked(
                 dtype=settings.dtype,
                 eps=settings.eps,
             )
-            fixed = orthogonalize(x[idx], retry, backend)
+            fixed = orthogonalize(x[idx], retry, backend, tall)
             still_bad = ~torch.isfinite(fixed).flatten(1).all(dim=1)
             if bool(still_bad.any()):
                 fallback = NSSettings("standard", settings.coefficients, (), torch.float32, settings.eps)
@@ -133,7 +139,7 @@ def orthogonalize_checked(
 
                 fixed = torch.where(
                     still_bad[:, None, None],
-                    orthogonalize(x[idx].float(), fallback, TorchOps()).to(fixed.dtype),
+                    orthogonalize(x[idx].float(), fallback, TorchOps(), tall).to(fixed.dtype),
                     fixed,
                 )
                 # A non-finite input (inf/NaN) defeats every retry: zero it (no update), as

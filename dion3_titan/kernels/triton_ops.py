@@ -1,0 +1,351 @@
+"""Triton backend: a symmetric batched GEMM and the fused weight update.
+
+Symmetric GEMM. For (L, n, k) @ (L, k, n) whose product is symmetric (X X^T, b R + c R^2, ...)
+only the output tiles on or below the diagonal are computed: T(T+1)/2 of the T^2 tiles for
+T = ceil(n / BLOCK). Each off-diagonal tile is stored twice, at (i, j) and transposed at (j, i);
+a diagonal tile is stored once (its transposed place is itself). That halves the FLOPs of the
+product and leaves the bytes written unchanged.
+
+Fused update. One pass over the weight: every row is scaled by ``decay``; rows listed in ``rows``
+also get ``- lr * update``; float32 math and one rounding to the weight's dtype, exactly as
+``torch_ops._fused_update_reference`` computes it (same operations, same order, no FMA).
+
+Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (that is how the CPU tests
+check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dion3_titan.kernels.backend import Backend
+
+# One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
+# (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)
+SYM_CONFIG: tuple[int, int, int, int, int] = (128, 64, 8, 8, 3)
+_SUPPORTED = (torch.float16, torch.bfloat16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _lower_tile(t, num_tiles_side, GROUP: tl.constexpr):
+    """Linear index t -> (row i, col j) of a lower-triangle tile, j <= i.
+
+    Tiles are visited in bands of GROUP tile rows. Within a band the rectangle left of the
+    band's own diagonal block goes column by column, so the programs running together share
+    their B panels (and the band's A panels) in L2; the small triangle at the band's right end
+    goes row by row. Row-major order of the whole triangle has the same tile count before each
+    band, so the band is found from the row-major row of t.
+    """
+    # row-major triangle row: largest r with r(r+1)/2 <= t (float sqrt, then fixed up exactly)
+    r = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    r = tl.where((r + 1) * (r + 2) // 2 <= t, r + 1, r)
+    r = tl.where(r * (r + 1) // 2 > t, r - 1, r)
+    band_start = (r // GROUP) * GROUP
+    band_rows = tl.minimum(num_tiles_side - band_start, GROUP)
+    local = t - band_start * (band_start + 1) // 2  # index inside the band
+    rect = band_rows * band_start  # tiles in the band's rectangle (columns < band_start)
+    # rectangle, column-major
+    i_rect = band_start + local % band_rows
+    j_rect = local // band_rows
+    # small triangle, row-major
+    u = tl.maximum(local - rect, 0)
+    q = ((tl.sqrt((8 * u + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    q = tl.where((q + 1) * (q + 2) // 2 <= u, q + 1, q)
+    q = tl.where(q * (q + 1) // 2 > u, q - 1, q)
+    i_tri = band_start + q
+    j_tri = band_start + u - q * (q + 1) // 2
+    in_rect = local < rect
+    return tl.where(in_rect, i_rect, i_tri), tl.where(in_rect, j_rect, j_tri)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 -> dtype, round to nearest even.
+
+    Triton's CPU interpreter (3.9) rounds float32 -> bfloat16 wrongly (no carry into the
+    exponent), so there the rounding is done on the bits: add 0x7FFF plus the lowest kept bit,
+    drop the low 16 bits. Finite values only, which is all the interpreter tests feed it.
+    """
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _sym_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, out_ptr,
+    n, k,
+    s_ab, s_am, s_ak,
+    s_bb, s_bk, s_bn,
+    s_cb, s_cm, s_cn,
+    s_ob, s_om, s_on,
+    alpha, beta,
+    HAS_C: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    t = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    num_tiles_side = tl.cdiv(n, BLOCK)
+    ti, tj = _lower_tile(t, num_tiles_side, GROUP)
+
+    rows = ti * BLOCK + tl.arange(0, BLOCK)
+    cols = tj * BLOCK + tl.arange(0, BLOCK)
+    ks = tl.arange(0, BLOCK_K)
+    # In-matrix offsets stay plain int32 aranges (no clamping, no casts): that is what lets the
+    # compiler see the unit-stride dim as contiguous and issue 16-byte async copies for either
+    # operand layout. (A tl.where-clamped index turned n-major B loads into scalar 2-byte loads:
+    # Gram NS ran 3-5x slower than on cuBLAS, docs/kernels.md.) The batch offset is int64.
+    a_ptrs = a_ptr + batch * s_ab + rows[:, None] * s_am + ks[None, :] * s_ak
+    b_ptrs = b_ptr + batch * s_bb + ks[:, None] * s_bk + cols[None, :] * s_bn
+
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(k, BLOCK_K)):
+        if EVEN_K and EVEN_N:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = k - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=(rows[:, None] < n) & (ks[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(ks[:, None] < k_left) & (cols[None, :] < n), other=0.0)
+        if INTERPRET:
+            # the interpreter's bf16 dot multiplies the raw bits; fp32 products of the
+            # (exactly upcast) inputs give the same fp32-accumulated result
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * s_ak
+        b_ptrs += BLOCK_K * s_bk
+
+    if HAS_C:
+        # torch.baddbmm's order: alpha * (a @ b) + beta * c, in float32
+        c_ptrs = c_ptr + batch * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
+        c_mask = (rows[:, None] < n) & (cols[None, :] < n)
+        c = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        acc = alpha * acc + beta * c
+    else:
+        acc = alpha * acc
+
+    res = _round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
+    out_base = out_ptr + batch * s_ob
+    mask = (rows[:, None] < n) & (cols[None, :] < n)
+    tl.store(out_base + rows[:, None] * s_om + cols[None, :] * s_on, res, mask=mask)
+    if ti != tj:
+        # the mirrored tile (j, i); diagonal tiles are stored once only
+        res_t = tl.trans(res)
+        mask_t = (cols[:, None] < n) & (rows[None, :] < n)
+        tl.store(out_base + cols[:, None] * s_om + rows[None, :] * s_on, res_t, mask=mask_t)
+
+
+@triton.jit
+def _tile_order_kernel(out_ptr, count, side, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.arange(0, BLOCK)
+    i, j = _lower_tile(t, side, GROUP)
+    tl.store(out_ptr + 2 * t, i, mask=t < count)
+    tl.store(out_ptr + 2 * t + 1, j, mask=t < count)
+
+
+def tile_order(side: int, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(T(T+1)/2, 2) int32: the (row, col) tile each program of the symmetric GEMM computes, in
+    launch order, for ``side`` = T tiles per side (for tests and for reading the schedule)."""
+    count = side * (side + 1) // 2
+    out = torch.full((count, 2), -1, dtype=torch.int32, device=device)
+    _tile_order_kernel[(1,)](out, count, side, GROUP=group, BLOCK=triton.next_power_of_2(count))
+    return out
+
+
+@triton.jit
+def _fused_update_kernel(
+    w_ptr, u_ptr, slot_ptr, lr_ptr, decay_ptr,
+    num_rows, num_cols,
+    s_wb, s_wr, s_wc,
+    s_ub, s_uk, s_uc,
+    s_sb, s_sr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    batch = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (cols[None, :] < num_cols)
+    # slot[b, r]: position of row r in ``rows[b]``, or -1 if r is not selected
+    slot = tl.load(slot_ptr + batch * s_sb + rows * s_sr, mask=row_ok, other=-1)
+    selected = slot >= 0
+    lr = tl.load(lr_ptr)
+    decay = tl.load(decay_ptr)
+
+    w_ptrs = w_ptr + batch * s_wb + rows[:, None].to(tl.int64) * s_wr + cols[None, :] * s_wc
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u_ptrs = (
+        u_ptr + batch * s_ub + tl.maximum(slot, 0)[:, None].to(tl.int64) * s_uk + cols[None, :] * s_uc
+    )
+    u = tl.load(u_ptrs, mask=mask & selected[:, None], other=0.0).to(tl.float32)
+    # Same three roundings as the reference: (w * decay) - (lr * u). The launch passes
+    # enable_fp_fusion=False so the compiler cannot contract these into an FMA.
+    decayed = w * decay
+    step = lr * u
+    new = tl.where(selected[:, None], decayed - step, decayed)
+    tl.store(w_ptrs, _round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def _check_sym_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
+    if a.dim() != 3 or b.dim() != 3:
+        raise ValueError(f"sym_mm expects batched (L, n, k) @ (L, k, n); got {tuple(a.shape)} @ {tuple(b.shape)}")
+    L, n, k = a.shape
+    if b.shape != (L, k, n):
+        raise ValueError(f"sym_mm expects b of shape {(L, k, n)}; got {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"sym_mm expects matching dtypes; got {a.dtype} and {b.dtype}")
+    return L, n, k
+
+
+def _offsets_fit(n: int, k: int) -> bool:
+    """In-matrix offsets are int32 (see the kernel); the batch offset is int64."""
+    return n * max(n, k) < 2**31
+
+
+def sym_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    config: tuple[int, int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """alpha * (a @ b) + beta * c for a symmetric result, fp16/bf16, any strides.
+
+    ``config`` = (BLOCK, BLOCK_K, GROUP, num_warps, num_stages) overrides ``SYM_CONFIG`` (benchmarks);
+    ``out`` (L, n, n) receives the result (tests pass a NaN-filled one to see every element written).
+    """
+    L, n, k = _check_sym_operands(a, b)
+    if not _offsets_fit(n, k):
+        raise ValueError(f"sym_gemm: one matrix of n={n}, k={k} exceeds int32 offsets")
+    block, block_k, group, num_warps, num_stages = config or SYM_CONFIG
+    if out is None:
+        out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
+    if L == 0 or n == 0:
+        return out
+    if k == 0:  # empty product: only the C term remains
+        return out.copy_(beta * c if c is not None else torch.zeros_like(out))
+    has_c = c is not None and beta != 0.0
+    if has_c:
+        assert c is not None
+        if c.shape != (L, n, n):
+            raise ValueError(f"sym_addmm expects c of shape {(L, n, n)}; got {tuple(c.shape)}")
+        c_arg, c_strides = c, c.stride()
+    else:
+        c_arg, c_strides = out, (0, 0, 0)  # never read
+    side = triton.cdiv(n, block)
+    grid = (side * (side + 1) // 2, L)
+    _sym_gemm_kernel[grid](
+        a, b, c_arg, out,
+        n, k,
+        *a.stride(), *b.stride(), *c_strides, *out.stride(),
+        float(alpha), float(beta),
+        HAS_C=has_c,
+        EVEN_K=(k % block_k == 0),
+        EVEN_N=(n % block == 0),
+        BLOCK=block,
+        BLOCK_K=block_k,
+        GROUP=group,
+        INTERPRET=_interpreting(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def fused_update(
+    weight: torch.Tensor,
+    update: torch.Tensor,
+    rows: torch.Tensor,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+    block_r: int = 8,
+    block_c: int = 256,
+) -> None:
+    """See ``Backend.fused_update``. No host sync: lr/decay are read on the device."""
+    B, R, C = weight.shape
+    k = rows.shape[1]
+    if update.shape != (B, k, C):
+        raise ValueError(f"fused_update expects update of shape {(B, k, C)}; got {tuple(update.shape)}")
+    # Row -> slot map (-1 = not selected), built with device ops so it is graph-capturable.
+    slot = torch.full((B, R), -1, dtype=torch.int32, device=weight.device)
+    if k > 0:
+        slots = torch.arange(k, dtype=torch.int32, device=weight.device).expand(B, k)
+        slot.scatter_(1, rows, slots)
+    grid = (B, triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    _fused_update_kernel[grid](
+        weight, update, slot, lr, decay,
+        R, C,
+        *weight.stride(), *update.stride(), *slot.stride(),
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        INTERPRET=_interpreting(),
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+
+
+class TritonOps(Backend):
+    """Symmetric products and the fused update in Triton; general products through cuBLAS."""
+
+    name = "triton"
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(a, b)
+
+    def mm_add(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
+    ) -> torch.Tensor:
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+    def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not self._runs(a):
+            return torch.bmm(a, b)
+        return sym_gemm(a, b)
+
+    def sym_addmm(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
+    ) -> torch.Tensor:
+        if not self._runs(a):
+            return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+        return sym_gemm(a, b, c, alpha, beta)
+
+    def fused_update(
+        self,
+        weight: torch.Tensor,
+        update: torch.Tensor,
+        rows: torch.Tensor,
+        lr: torch.Tensor,
+        decay: torch.Tensor,
+    ) -> None:
+        fused_update(weight, update, rows, lr, decay)
+
+    @staticmethod
+    def _runs(a: torch.Tensor) -> bool:
+        """fp16/bf16 on a GPU (or anywhere under the interpreter); other dtypes go to torch,
+        since a float32 tensor-core product would silently drop to tf32 precision."""
+        return (
+            a.dtype in _SUPPORTED
+            and (a.is_cuda or _interpreting())
+            and _offsets_fit(a.shape[-2], a.shape[-1])
+        )

@@ -1,0 +1,152 @@
+"""Smoke test of scripts/bench_step.py (+ plot_step.py) on the CPU with tiny shapes: one
+process, and two gloo ranks under torchrun (FSDP2). CUDA-graph rows must come back
+'unavailable' on a CPU; every other row must be timed."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "scripts" / "bench_step.py"
+PLOT = ROOT / "scripts" / "plot_step.py"
+COMMON = ["--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--strict"]
+DIST_ONLY = "adamw,muon*,dion3_f1_torch*,dion3_f1/4*"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+
+def _rows(path: Path) -> tuple[dict, dict[str, dict]]:
+    data = json.loads(path.read_text())
+    return data["meta"], {r["name"]: r for r in data["results"]}
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    """One process, in this one (no second interpreter start), one CPU thread."""
+    import torch
+
+    out = tmp_path_factory.mktemp("bench") / "single.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _load(BENCH, "bench_step").main([*COMMON, "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_single_process_rows(single: Path) -> None:
+    meta, rows = _rows(single)
+    assert meta["world"] == 1 and meta["model"] == "tiny" and meta["complete"]
+    expected = {"adamw", "muon_torch", "muon", "dion3_f1_torch", "dion3_f1_torch_nomb", "dion3_f1_kernels",
+                "dion3_f1_gram", "dion3_f1/2", "dion3_f1/4"}
+    assert expected | {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"} == set(rows)
+    for name, r in rows.items():
+        if r["graph"]:
+            assert r["status"] == "unavailable", r
+            continue
+        assert r["status"] == "ok", r
+        assert r["gpu_ms"] > 0 and r["host_ms"] > 0 and len(r["gpu_ms_all"]) == 2
+        assert r["comm_mb"] == 0  # one process moves nothing
+    assert rows["muon"]["x_muon"] == pytest.approx(1.0)
+    assert rows["adamw"]["ns_tflop"] == 0 and rows["adamw"]["floor_ms"] > 0  # memory floor
+    # FLOPs: plain NS5 on every matrix for both Muon rows; Gram counts less; f shrinks it.
+    assert rows["muon"]["ns_tflop"] == pytest.approx(rows["muon_torch"]["ns_tflop"])
+    f1, half, quarter = (rows[n]["ns_tflop"] for n in ("dion3_f1_gram", "dion3_f1/2", "dion3_f1/4"))
+    assert 0 < quarter < half < f1 < rows["muon"]["ns_tflop"]
+
+
+def test_plot_markdown(single: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = _load(PLOT, "plot_step")
+    plot.main([str(single), "--markdown"])
+    text = capsys.readouterr().out
+    assert "| Configuration |" in text and "| unavailable |" in text and "CUDA graphs need a GPU" in text
+    assert text.count("\n| ") >= 15  # header + 14 configurations
+
+
+def test_plot_png(single: Path) -> None:
+    pytest.importorskip("matplotlib")
+    plot = _load(PLOT, "plot_step")
+    png = single.with_suffix(".png")
+    plot.main([str(single), "-o", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_gloo_ranks_fsdp2(tmp_path: Path) -> None:
+    out = tmp_path / "dist.json"
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+          str(BENCH), *COMMON, "--only", DIST_ONLY, "--out", str(out)])
+    meta, rows = _rows(out)
+    assert meta["world"] == 2 and meta["fsdp2"]
+    assert rows["muon_torch"]["status"] == "unavailable"  # no DTensor support
+    for name in ("adamw", "muon", "dion3_f1_torch", "dion3_f1_torch_nomb", "dion3_f1/4"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert rows["adamw"]["comm_mb"] == 0
+    full, quarter = rows["dion3_f1_torch"]["comm_mb"], rows["dion3_f1/4"]["comm_mb"]
+    assert full > 0 and 0 < quarter < full / 2  # shards move, f = 1/4 moves about a quarter
+    assert rows["dion3_f1_torch_nomb"]["comm_mb"] == pytest.approx(full)
+
+
+def test_flop_formulas() -> None:
+    """The per-matrix counts quoted in the paper (Sec. 2.2, 2.3) and DESIGN.md."""
+    bench = _load(BENCH, "bench_step")
+    n, m = 1024, 4096
+    assert bench.gram_ns_flops(n, m, 5, (2,), symmetric=True) == 14 * n**3 + 6 * n**2 * m
+    assert bench.standard_ns_flops(n, m, 5, symmetric=False) == 5 * (4 * m * n**2 + 2 * n**3)
+    assert bench.standard_ns_flops(n, m, 5, symmetric=True) == 5 * (3 * m * n**2 + n**3)
+    assert bench.ns_flops(m, n, "auto", 5, (2,), True) == bench.gram_ns_flops(n, m, 5, (2,), True)  # tall = wide
+    assert bench.ns_flops(n, n, "auto", 5, (2,), True) == bench.standard_ns_flops(n, n, 5, True)  # square
+
+
+def test_graph_rows_with_a_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph-row path (warm-up, timing, release) with an eager stand-in for
+    GraphedOptimizer, since a CPU cannot capture."""
+    import torch
+
+    bench = _load(BENCH, "bench_step")
+    released: list[bool] = []
+
+    class StandIn:
+        def __init__(self, optimizer, warmup_steps: int = 3) -> None:
+            self.optimizer, self.warmup_steps = optimizer, warmup_steps
+
+        def step(self) -> None:
+            self.optimizer.step()
+
+        def release(self) -> None:
+            released.append(True)
+
+    monkeypatch.setattr(bench, "graphed_optimizer_class", lambda: (StandIn, ""))
+    monkeypatch.setattr(bench, "unavailable_reason", lambda cfg, device, note: "")
+    out = tmp_path / "graph.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.main([*COMMON, "--only", "dion3_f1/4*", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    _, rows = _rows(out)
+    assert rows["dion3_f1/4+graph"]["status"] == "ok" and rows["dion3_f1/4+graph"]["gpu_ms"] > 0
+    assert released == [True]

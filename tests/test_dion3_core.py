@@ -1,0 +1,419 @@
+"""The Dion3 optimizer on one process: f = 1 equals textbook Muon / NorMuon; f < 1 updates
+exactly ceil(f n) rows with error feedback; checkpoints resume bit-exactly; routing."""
+
+import copy
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from dion3_titan import Dion3
+from dion3_titan.optim.routing import build_param_groups, clean_name, is_matrix
+from tests.reference import TextbookMuon, ns_settings_fp32, textbook_ns
+
+pytestmark = pytest.mark.timeout(120)
+
+# wide, a second wide of the same shape and a 3D stack of that shape (one shape group: offsets),
+# tall (rows = W's columns), square, and a tall 3D stack.
+SHAPES = [(16, 48), (16, 48), (40, 12), (24, 24), (3, 16, 48), (2, 32, 8)]
+NAMES = ["wide", "wide2", "tall", "square", "stack", "stack_tall"]
+
+
+def make_params(seed: int, dtype=torch.float32, shapes=SHAPES) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(*s, generator=g) * 0.5).to(dtype)) for s in shapes]
+
+
+def random_grads(step: int, shapes=SHAPES, seed: int = 100) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+def oriented(t: torch.Tensor) -> torch.Tensor:
+    """(E, R, C) with R = the smaller of W's two dims (the selection dim when unsharded)."""
+    m = t.reshape(-1, *t.shape[-2:])
+    return m.mT if t.shape[-2] > t.shape[-1] else m
+
+
+def k_rows(fraction: float, rows: int) -> int:
+    return math.ceil(Fraction(str(fraction)) * rows)
+
+
+# ------------------------------------------------------------------------------ f = 1 == textbook
+@pytest.mark.parametrize("lr_rule", ["spectral", "rms", "none"])
+@pytest.mark.parametrize("flavor", ["muon", "normuon"])
+def test_f1_equals_textbook(flavor, lr_rule):
+    lr, mu, wd = 0.02, 0.9, 0.1
+    params = make_params(0)
+    ref_params = [p.detach().clone() for p in params]
+    bias = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(9)))
+    ref_bias = torch.nn.Parameter(bias.detach().clone())
+    opt = Dion3(
+        [{"params": params, "names": NAMES}, {"params": [bias], "algorithm": "adamw", "names": ["bias"]}],
+        lr=lr, fraction=1.0, flavor=flavor, momentum=mu, weight_decay=wd, lr_rule=lr_rule,
+        ns_dtype="float32",
+    )
+    ref = TextbookMuon(ref_params, lr=lr, momentum=mu, weight_decay=wd, lr_rule=lr_rule, flavor=flavor)
+    ref_adamw = torch.optim.AdamW([ref_bias], lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
+    start = [p.detach().clone() for p in params]
+    for t in range(10):
+        grads = random_grads(t)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        bias.grad = ref_bias.grad = grads[0][0, :16].clone()
+        opt.step()
+        ref.step(grads)
+        ref_adamw.step()
+    for name, p, q, p0, m_ref in zip(NAMES, params, ref_params, start, ref.m):
+        assert not torch.equal(p, p0)
+        torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=2e-6, msg=name)
+        # the stored momentum is Dion3's decayed buffer mu * (M + G) = mu * (textbook M)
+        torch.testing.assert_close(opt.state[p]["momentum"], mu * m_ref, rtol=1e-6, atol=1e-7, msg=name)
+        if flavor == "normuon":
+            v = opt.state[p]["variance"]
+            v = v.to_local() if hasattr(v, "to_local") else v
+            torch.testing.assert_close(v.reshape(ref.v[NAMES.index(name)].shape).float(),
+                                       ref.v[NAMES.index(name)], rtol=1e-5, atol=1e-9, msg=name)
+    torch.testing.assert_close(bias.detach(), ref_bias.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_normuon_orientation_matters():
+    """Guard for the textbook test: NorMuon on a tall matrix normalizes W's columns; doing it on
+    W's rows instead gives a measurably different update (so the test above can fail)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.nn.Parameter(torch.randn(40, 12, generator=g))
+    w0 = w.detach().clone()
+    opt = Dion3([w], flavor="normuon", ns_dtype="float32", lr=0.1)
+    grad = torch.randn(40, 12, generator=g) * torch.logspace(-1, 1, 12)  # uneven columns
+    w.grad = grad.clone()
+    opt.step()
+    o = textbook_ns(grad, ns_settings_fp32())
+    scale = 0.1 * math.sqrt(40 / 12)
+
+    def normuon(oo):  # rows of oo
+        v = 0.05 * (oo * oo).mean(dim=1)
+        hat = oo / (v.sqrt() + 1e-8)[:, None]
+        return hat * (oo.norm() / hat.norm())
+
+    by_cols = w0 - scale * normuon(o.T).T
+    by_rows = w0 - scale * normuon(o)
+    torch.testing.assert_close(w.detach(), by_cols, rtol=1e-5, atol=2e-6)
+    assert (w.detach() - by_rows).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ f < 1
+@pytest.mark.parametrize("flavor", ["muon", "normuon"])
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 0.28, 0.5])
+def test_fraction_updates_exactly_k_rows(flavor, fraction):
+    """k = ceil(f n) exactly (0.28 * 25 is 7, not 8, although 0.28 * 25 > 7 in floats)."""
+    lr, mu = 0.02, 0.9
+    shapes, names = SHAPES + [(25, 60)], NAMES + ["rows25"]
+    params = make_params(1, shapes=shapes)
+    opt = Dion3(params, lr=lr, fraction=fraction, flavor=flavor, momentum=mu, weight_decay=0.0,
+                ns_dtype="float32")
+    settings = ns_settings_fp32()
+    for t in range(4):
+        grads = random_grads(t, shapes, seed=7)
+        w_old = [p.detach().clone() for p in params]
+        m_old = [opt.state[p]["momentum"].clone() for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for name, p, w0, m0, g in zip(names, params, w_old, m_old, grads):
+            w_o, w0_o = oriented(p.detach()), oriented(w0)
+            pre = oriented(m0 + g)  # M + G, what selection looks at
+            m_new = oriented(opt.state[p]["momentum"])
+            e, rows, _ = w_o.shape
+            k = k_rows(fraction, rows)
+            changed = (w_o != w0_o).any(dim=-1)  # (E, R)
+            assert changed.sum(dim=1).tolist() == [k] * e, (name, t)
+            top = pre.abs().sum(dim=-1).topk(k, dim=1).indices
+            expected = torch.zeros_like(changed).scatter_(1, top, True)
+            assert torch.equal(changed, expected), (name, t)
+            # error feedback: unselected momentum rows are M + G exactly, selected ones decay
+            assert torch.equal(m_new[~changed], pre[~changed]), (name, t)
+            torch.testing.assert_close(m_new[changed], mu * pre[changed], rtol=1e-6, atol=0)
+            if flavor == "muon":  # the selected rows' step: lr * sqrt(d_out/d_in) / sqrt(f) * NS(M[S])
+                d_out, d_in = p.shape[-2:]
+                scale = lr * math.sqrt(d_out / d_in) / math.sqrt(fraction)
+                for b in range(e):
+                    idx = changed[b].nonzero().squeeze(1)
+                    o = textbook_ns(pre[b, idx], settings)
+                    torch.testing.assert_close(w_o[b, idx], w0_o[b, idx] - scale * o, rtol=1e-5, atol=2e-6)
+
+
+def test_error_feedback_selects_a_persistently_small_row():
+    """A row whose gradient is always 20x smaller is never in the top-k by its gradient, but its
+    undecayed momentum grows until it is selected (without error feedback it never would be)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.nn.Parameter(torch.randn(8, 32, generator=g))
+    grad = torch.randn(8, 32, generator=g)
+    grad[5] *= 0.05
+    opt = Dion3([w], fraction=0.25, momentum=0.5, ns_dtype="float32", lr=0.01)
+    first = None
+    for t in range(200):
+        before = w.detach().clone()
+        w.grad = grad.clone()
+        opt.step()
+        if not torch.equal(w[5], before[5]):
+            first = t
+            break
+    assert first is not None and first >= 3
+
+
+def test_random_selection():
+    """selection="random": exactly k rows change each step, not always the l1-largest ones, every
+    row gets its turn, and the draws follow the seed."""
+
+    def run(seed):
+        g = torch.Generator().manual_seed(6)
+        w = torch.nn.Parameter(torch.randn(8, 32, generator=g))
+        grad = torch.randn(8, 32, generator=g)
+        grad[0] *= 100.0  # l1 selection would pick row 0 every step
+        opt = Dion3([w], fraction=0.25, selection="random", seed=seed, ns_dtype="float32")
+        picked = []
+        for _ in range(24):
+            before = w.detach().clone()
+            w.grad = grad.clone()
+            opt.step()
+            changed = (w.detach() != before).any(dim=1)
+            assert int(changed.sum()) == 2
+            picked.append(changed)
+        return w.detach().clone(), torch.stack(picked)
+
+    w_a, picked = run(0)
+    assert picked.any(dim=0).all()  # every row selected at some step
+    assert not picked[:, 0].all()  # not the l1 choice every time
+    w_b, _ = run(0)
+    assert torch.equal(w_a, w_b)
+    w_c, _ = run(1)
+    assert not torch.equal(w_a, w_c)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def _grads_of(params, step):
+    """Gradients that depend on the parameters (so a wrong resume shows) plus seeded noise."""
+    g = torch.Generator().manual_seed(500 + step)
+    return [(0.1 * p.detach().float() + torch.randn(p.shape, generator=g)).to(p.dtype) for p in params]
+
+
+CHECKPOINT_CASES = [
+    ("muon", 1.0, torch.float32, "l1"),
+    ("muon", 0.25, torch.float32, "l1"),
+    ("normuon", 1.0, torch.float32, "l1"),
+    ("normuon", 0.25, torch.float32, "l1"),
+    ("normuon", 0.25, torch.bfloat16, "l1"),
+    ("muon", 0.25, torch.float32, "random"),
+]
+# KNOWN BUG (reported, not fixed here): random selection's generator state is not part of the
+# optimizer state, so a resumed run re-draws from the seed. Strict: passes -> remove the mark.
+_RANDOM_RESUME = pytest.mark.xfail(strict=True, reason="random-selection generator state is not checkpointed")
+
+
+@pytest.mark.parametrize(
+    "flavor,fraction,dtype,selection",
+    [pytest.param(*c, marks=_RANDOM_RESUME if c[3] == "random" else ()) for c in CHECKPOINT_CASES],
+    ids=["-".join(map(str, c)).replace("torch.", "") for c in CHECKPOINT_CASES],
+)
+def test_state_dict_resume_is_bit_exact(flavor, fraction, dtype, selection):
+    def build(data):
+        mats = [torch.nn.Parameter(d.clone()) for d in data[:-1]]
+        bias = torch.nn.Parameter(data[-1].clone())
+        opt = Dion3(
+            [{"params": mats, "names": NAMES}, {"params": [bias], "algorithm": "adamw"}],
+            lr=0.02, fraction=fraction, flavor=flavor, selection=selection, weight_decay=0.01,
+        )
+        return mats + [bias], opt
+
+    def run(params, opt, steps):
+        for t in steps:
+            for p, g in zip(params, _grads_of(params, t)):
+                p.grad = g
+            opt.step()
+
+    init = [p.detach() for p in make_params(2, dtype)] + [torch.randn(16).to(dtype)]
+    params, opt = build(init)
+    run(params, opt, range(3))
+    saved_state = copy.deepcopy(opt.state_dict())
+    saved_params = [p.detach().clone() for p in params]
+    run(params, opt, range(3, 6))
+
+    params2, opt2 = build(saved_params)
+    opt2.load_state_dict(saved_state)
+    for p in params2[:-1]:
+        st = opt2.state[p]
+        assert st["momentum"].dtype == p.dtype
+        if flavor == "normuon":
+            assert st["variance"].dtype == torch.float32  # not cast to the parameter's dtype
+    run(params2, opt2, range(3, 6))
+    for name, a, b, s in zip(NAMES + ["bias"], params, params2, saved_params):
+        assert not torch.equal(a, s), name
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flavor", ["muon", "normuon"])
+def test_zero_grad_step_with_lr0_changes_nothing(flavor, dtype):
+    """The step that creates checkpoint state (zero grads, lr = 0) leaves the parameters bitwise
+    unchanged and the state finite, even with weight decay."""
+    params = make_params(3, dtype)
+    before = [p.detach().clone() for p in params]
+    opt = Dion3(params, lr=0.0, flavor=flavor, weight_decay=0.1, fraction=0.5)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+        for v in opt.state[p].values():
+            assert torch.isfinite(v).all()
+    # and it is not inert: a real step afterwards moves every matrix
+    for g in opt.param_groups:
+        g["lr"] = 0.02
+    for p, gr in zip(params, random_grads(0)):
+        p.grad = gr.to(dtype)
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
+
+
+# ------------------------------------------------------------------------------ non-finite gradients
+def test_nonfinite_gradient_raise_names_the_parameter():
+    params = make_params(4)
+    before = [p.detach().clone() for p in params]
+    opt = Dion3([{"params": params, "names": NAMES}], nonfinite="raise")
+    grads = random_grads(0)
+    grads[2][3, 1] = float("nan")
+    for p, g in zip(params, grads):
+        p.grad = g
+    with pytest.raises(FloatingPointError, match="tall"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+
+
+def test_nonfinite_gradient_skip_leaves_everything_unchanged():
+    params = make_params(4)
+    before = [p.detach().clone() for p in params]
+    opt = Dion3([{"params": params, "names": NAMES}], nonfinite="skip", flavor="normuon")
+    grads = random_grads(0)
+    grads[4][1, 2, 3] = float("inf")
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+        assert torch.equal(opt.state[p]["momentum"], torch.zeros_like(p))
+    # the next finite step proceeds normally
+    for p, g in zip(params, random_grads(1)):
+        p.grad = g
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
+
+
+# ------------------------------------------------------------------------------ routing
+def _llama_like_named_params():
+    dim, hidden, vocab, experts = 16, 48, 40, 3
+    t = {
+        "tok_embeddings.weight": (vocab, dim),
+        "layers.0.attention.wq.weight": (dim, dim),
+        "layers.0.attention.wk.weight": (8, dim),
+        "layers.0.attention.wo.weight": (dim, dim),
+        "layers.0.attention_norm.weight": (dim,),
+        "layers.0.ffn_norm.weight": (dim,),
+        "layers.0.feed_forward.w1.weight": (hidden, dim),
+        "layers.0.feed_forward.w2.weight": (dim, hidden),
+        "layers.0.moe.experts.w1": (experts, hidden, dim),
+        "layers.0.moe.router.gate.weight": (experts, dim),
+        "layers.0.attention.wq.bias": (dim,),
+        "norm.weight": (dim,),
+        "output.weight": (vocab, dim),
+    }
+    return {name: torch.nn.Parameter(torch.randn(*shape)) for name, shape in t.items()}
+
+
+DION3_NAMES = {
+    "layers.0.attention.wq.weight",
+    "layers.0.attention.wk.weight",
+    "layers.0.attention.wo.weight",
+    "layers.0.feed_forward.w1.weight",
+    "layers.0.feed_forward.w2.weight",
+    "layers.0.moe.experts.w1",
+}
+
+
+def _wrap(name: str, how: str) -> str:
+    if how == "plain":
+        return name
+    if how == "compile":
+        return "_orig_mod." + name
+    if how == "checkpoint" and name.startswith("layers.0."):  # torchtitan wraps each block
+        return "layers.0._checkpoint_wrapped_module." + name[len("layers.0."):]
+    if how == "both" and name.startswith("layers.0."):
+        return "_orig_mod.layers.0._checkpoint_wrapped_module." + name[len("layers.0."):]
+    return ("_orig_mod." + name) if how == "both" else name
+
+
+@pytest.mark.parametrize("how", ["plain", "compile", "checkpoint", "both"])
+def test_build_param_groups_routes_llama_names(how):
+    params = _llama_like_named_params()
+    named = [(_wrap(n, how), p) for n, p in params.items()]
+    groups = build_param_groups(named)
+    assert [g["algorithm"] for g in groups] == ["dion3", "adamw"]
+    dion3, adamw = groups
+    assert set(dion3["names"]) == DION3_NAMES
+    assert set(adamw["names"]) == set(params) - DION3_NAMES
+    assert [id(p) for p in dion3["params"]] == [id(params[n]) for n in dion3["names"]]
+    assert [id(p) for p in adamw["params"]] == [id(params[n]) for n in adamw["names"]]
+    # the groups build an optimizer that steps
+    opt = Dion3(groups, lr=0.01)
+    for p in params.values():
+        p.grad = torch.randn_like(p)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt.step()
+    assert all(not torch.equal(params[n], before[n]) for n in params)
+
+
+def test_routing_helpers():
+    assert clean_name("_orig_mod.layers.3._checkpoint_wrapped_module.attention.wq.weight") == "layers.3.attention.wq.weight"
+    assert is_matrix("layers.0.moe.experts.w3", torch.empty(2, 4, 4))
+    assert not is_matrix("layers.0.attention.wq.weight", torch.empty(4))  # 1D
+    assert not is_matrix("layers.0.x", torch.empty(2, 2, 2, 2))  # 4D
+    assert not is_matrix("_orig_mod.output.weight", torch.empty(4, 4))
+    frozen = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    groups = build_param_groups([("layers.0.feed_forward.w1.weight", frozen)], adamw_lr=1e-3)
+    assert groups[0]["params"] == [] and groups[1]["params"] == [] and groups[1]["lr"] == 1e-3
+
+
+def test_resume_keeps_every_split_piece_variance_float32():
+    """A parameter split into pieces (split_heads) has one NorMuon second moment per piece; after
+    load_state_dict every one is still float32 (not the bf16 parameter dtype) and the resumed
+    run is bit-exact."""
+    names = ["layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight"]
+    shapes = [(16, 48), (48, 16)]
+
+    def build(data):
+        ps = [torch.nn.Parameter(d.clone()) for d in data]
+        opt = Dion3([{"params": ps, "names": names}], flavor="normuon", split_heads=2, fraction=0.5)
+        return ps, opt
+
+    def run(ps, opt, steps):
+        for t in steps:
+            for p, g in zip(ps, _grads_of(ps, t)):
+                p.grad = g
+            opt.step()
+
+    ps, opt = build([p.detach() for p in make_params(8, torch.bfloat16, shapes)])
+    keys = [k for k in opt.state[ps[0]] if k.startswith("variance")]
+    assert len(keys) == 2  # one per head block
+    run(ps, opt, range(2))
+    saved, saved_params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in ps]
+    run(ps, opt, range(2, 4))
+    ps2, opt2 = build(saved_params)
+    opt2.load_state_dict(saved)
+    for p in ps2:
+        for k, v in opt2.state[p].items():
+            if k.startswith("variance"):
+                assert v.dtype == torch.float32, k
+    run(ps2, opt2, range(2, 4))
+    for a, b in zip(ps, ps2):
+        assert torch.equal(a, b)

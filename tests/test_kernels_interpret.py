@@ -1,0 +1,199 @@
+"""Triton kernels' logic on CPU through Triton's interpreter (TRITON_INTERPRET=1).
+
+Triton reads TRITON_INTERPRET when it is imported, so the checks run in one child process that
+imports Triton with it set (this file run as a script) and reports a JSON line per check; the
+tests below assert on those lines. Small shapes and small tiles keep it well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# (L, n, k, config) with config = (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)
+SYM_CASES = [
+    (2, 40, 24, (16, 16, 2, 4, 2)),  # n, k not multiples of the tile
+    (1, 70, 33, (16, 16, 3, 4, 2)),  # partial band of tile rows
+    (3, 64, 32, (16, 16, 1, 4, 2)),  # exact multiples, row-major order
+    (1, 130, 64, None),  # the GPU tile shape (128) with a ragged edge
+]
+
+
+# ---------------------------------------------------------------- child process (interpreter)
+def _run_checks() -> list[dict]:
+    import torch
+
+    from dion3_titan.kernels import triton_ops
+    from dion3_titan.kernels.torch_ops import _fused_update_reference
+
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs each run
+    results: list[dict] = []
+
+    def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((out.double() - ref).norm() / ref.norm()).item()
+
+    # the triangular tile schedule: every lower tile exactly once, none above the diagonal
+    for side, group in [(1, 1), (7, 1), (7, 3), (9, 4), (20, 8), (45, 8), (45, 16), (64, 8)]:
+        ij = triton_ops.tile_order(side, group)
+        expected = {(i, j) for i in range(side) for j in range(i + 1)}
+        got = [tuple(p) for p in ij.tolist()]
+        results.append(
+            {"check": "tiles", "case": f"side={side},group={group}", "ok": sorted(got) == sorted(expected)}
+        )
+
+    for L, n, k, config in SYM_CASES:
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(L, n, k).to(dtype)
+            layouts = {"x,x.mT": (x, x.mT), "xT.mT,xT": (x.mT.contiguous().mT, x.mT.contiguous())}
+            for layout, (a, b) in layouts.items():
+                for with_c in (False, True):
+                    ref = torch.bmm(a.double(), b.double())
+                    c = None
+                    alpha, beta = 1.0, 0.0
+                    theirs = torch.bmm(a, b)
+                    if with_c:
+                        alpha, beta = 0.7, -1.3
+                        c = torch.randn(L, n, n)
+                        c = ((c + c.mT) / 2).to(dtype)
+                        ref = alpha * ref + beta * c.double()
+                        theirs = torch.baddbmm(c, a, b, alpha=alpha, beta=beta)
+                    out = torch.full((L, n, n), float("nan"), dtype=dtype)  # poisoned
+                    triton_ops.sym_gemm(a, b, c, alpha, beta, config=config, out=out)
+                    results.append(
+                        {
+                            "check": "sym_gemm",
+                            "case": f"L={L},n={n},k={k},{dtype},{layout},c={with_c}",
+                            "err": rel(out, ref),
+                            "torch_err": rel(theirs, ref),
+                            "finite": bool(torch.isfinite(out).all()),
+                            "symmetric": bool(torch.equal(out, out.mT)),
+                            "dtype_ok": out.dtype == dtype,
+                        }
+                    )
+
+    ops = triton_ops.TritonOps()
+    for dtype in (torch.float32, torch.bfloat16):
+        for decay in (1.0, 0.98):
+            for k in (0, 5, 37):
+                B, R, C = 3, 37, 300
+                base = torch.randn(B, R, 2 * C).to(dtype)
+                weight = base[:, :, ::2]  # strided view
+                rows = torch.stack([torch.randperm(R)[:k] for _ in range(B)]).reshape(B, k)
+                update = torch.randn(B, k, C)
+                lr, dec = torch.tensor(0.0173), torch.tensor(decay)
+                expected = weight.clone()
+                _fused_update_reference(expected, update, rows, lr, dec)
+                other = base[:, :, 1::2].clone()
+                ops.fused_update(weight, update, rows, lr, dec)
+                results.append(
+                    {
+                        "check": "fused_update",
+                        "case": f"{dtype},decay={decay},k={k}",
+                        "bitwise": bool(torch.equal(weight, expected)),
+                        "view_only": bool(torch.equal(base[:, :, 1::2], other)),
+                    }
+                )
+
+    # float32 products are not tensor-core work: they go to torch at full precision
+    a = torch.randn(2, 20, 12)
+    results.append(
+        {"check": "fp32_fallback", "case": "fp32", "ok": bool(torch.equal(ops.sym_mm(a, a.mT), torch.bmm(a, a.mT)))}
+    )
+    return results
+
+
+# ---------------------------------------------------------------- pytest side (parent process)
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _of(results: list[dict], check: str) -> list[dict]:
+    found = [r for r in results if r["check"] == check]
+    assert found, f"no {check} results"
+    return found
+
+
+def test_tile_schedule_covers_lower_triangle_once(results: list[dict]) -> None:
+    bad = [r["case"] for r in _of(results, "tiles") if not r["ok"]]
+    assert not bad
+
+
+def test_sym_gemm_accuracy(results: list[dict]) -> None:
+    # within twice the error of torch's own same-dtype product (plus float32 noise)
+    bad = [r for r in _of(results, "sym_gemm") if not r["err"] <= 2 * r["torch_err"] + 1e-6]
+    assert not bad, bad
+
+
+def test_sym_gemm_writes_every_element(results: list[dict]) -> None:
+    bad = [r["case"] for r in _of(results, "sym_gemm") if not r["finite"]]
+    assert not bad
+
+
+def test_sym_gemm_exactly_symmetric_in_input_dtype(results: list[dict]) -> None:
+    bad = [r["case"] for r in _of(results, "sym_gemm") if not (r["symmetric"] and r["dtype_ok"])]
+    assert not bad
+
+
+def test_fused_update_matches_reference_bitwise(results: list[dict]) -> None:
+    # float32 must be bit-identical; the interpreter's bf16 rounding is exact too, so bf16 is held
+    # to the same standard here (the GPU test allows 1 ulp)
+    bad = [r["case"] for r in _of(results, "fused_update") if not (r["bitwise"] and r["view_only"])]
+    assert not bad
+
+
+def test_float32_goes_to_torch(results: list[dict]) -> None:
+    assert all(r["ok"] for r in _of(results, "fp32_fallback"))
+
+
+def test_get_backend_names() -> None:
+    from dion3_titan.kernels import get_backend
+
+    assert get_backend("torch").name == "torch"
+    assert get_backend("triton").name == "triton"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        get_backend("cuda")
+
+
+def test_select_backend_and_algorithm_on_cpu() -> None:
+    import torch
+
+    from dion3_titan.kernels import select_algorithm, select_backend
+
+    assert select_backend("auto", (4, 2048, 8192), torch.float16, "cpu").name == "torch"
+    assert select_backend("triton", (4, 2048, 8192), torch.float16, "cpu").name == "triton"
+    with pytest.raises(ValueError, match="preference must be one of"):
+        select_backend("fastest", (4, 2048, 8192), torch.float16, "cpu")
+    assert select_algorithm((8, 4096, 4096)) == "standard"
+    assert select_algorithm((8, 4096, 11008)) == "gram"
+
+
+def test_cute_module_imports_without_a_gpu() -> None:
+    import torch
+
+    from dion3_titan.kernels import cute_symm
+
+    if not cute_symm.is_available():
+        with pytest.raises(RuntimeError, match="backend='cute' needs"):
+            cute_symm.CuteOps()
+    # outside the kernel's limits sym_gemm declines (the backend then falls back to Triton)
+    x = torch.randn(1, 100, 64, dtype=torch.float16)
+    assert cute_symm.sym_gemm(x, x.mT) is None
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the pytest tests do)")
+    for result in _run_checks():
+        print(json.dumps(result))

@@ -1,0 +1,276 @@
+"""Newton-Schulz orthogonalization: Gram NS (paper Alg. 3) vs standard NS vs the exact
+polynomial, fp16 stability with the restart after iteration 2 (App. B.2), the injected
+-4e-4 Gram eigenvalue of App. B.2.1, and ``orthogonalize_checked``'s non-finite handling."""
+
+import pytest
+import torch
+
+from dion3_titan.kernels.torch_ops import TorchOps
+from dion3_titan.optim.config import POLAR_EXPRESS, Dion3Config, coefficient_schedule
+from dion3_titan.optim.orthogonalize import (
+    NSSettings,
+    gram_newton_schulz,
+    orthogonalize,
+    orthogonalize_checked,
+    standard_newton_schulz,
+)
+from tests.reference import ns_polynomial_via_svd
+
+pytestmark = pytest.mark.timeout(120)
+
+PE = Dion3Config().coefficients()  # polar_express, 5 steps, safety factor 1.05
+MUON = coefficient_schedule("muon", 5, 1.0)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+# ------------------------------------------------------------------------------ float64 agreement
+@pytest.mark.parametrize("coeffs", [PE, MUON], ids=["polar_express", "muon"])
+@pytest.mark.parametrize("restarts", [(2,), (), (1, 3)], ids=["restart2", "norestart", "restart1_3"])
+def test_gram_equals_standard_float64(coeffs, restarts):
+    """Gram NS and standard NS are the same polynomial: in float64 they agree to 1e-9 relative,
+    for aspect ratios 1..16, wide and tall, batch > 1; both equal U p(S) V^T from an SVD."""
+    g = torch.Generator().manual_seed(1234)
+    ops = TorchOps()
+    gram = NSSettings("gram", coeffs, restarts, torch.float64)
+    std = NSSettings("standard", coeffs, (), torch.float64)
+    for ratio in (1, 2, 4, 8, 16):
+        for tall in (False, True):
+            n = 12
+            shape = (3, n * ratio, n) if tall else (3, n, n * ratio)
+            x = torch.randn(*shape, generator=g, dtype=torch.float64)
+            a = orthogonalize(x, gram, ops)
+            b = orthogonalize(x, std, ops)
+            assert a.shape == x.shape and a.dtype == torch.float64
+            assert _rel(a, b) < 1e-9, (ratio, tall)
+            assert _rel(a, ns_polynomial_via_svd(x, coeffs)) < 1e-9, (ratio, tall)
+
+
+def test_gram_kernel_direct_matches_polynomial():
+    """gram_newton_schulz / standard_newton_schulz called directly on a normalized wide batch."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 10, 50, generator=g, dtype=torch.float64)
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    ref = ns_polynomial_via_svd(x, PE, eps=0.0)
+    assert _rel(gram_newton_schulz(x, PE, (2,), TorchOps()), ref) < 1e-10
+    assert _rel(standard_newton_schulz(x, PE, TorchOps()), ref) < 1e-10
+
+
+def test_result_is_near_orthogonal_float64():
+    """Not just self-consistent: for a well-conditioned input, PE's 5 steps land near polar(X)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, 64, generator=g, dtype=torch.float64)
+    out = orthogonalize(x, NSSettings("gram", PE, (2,), torch.float64), TorchOps())
+    sv = torch.linalg.svdvals(out)
+    assert sv.min() > 0.8 and sv.max() < 1.2
+    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    assert _rel(out, u @ vh) < 0.15
+
+
+# ------------------------------------------------------------------------------ fp16 stability
+def _inputs(kind: str, b: int, n: int, m: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "gauss":
+        return torch.randn(b, n, m, generator=g)
+    if kind == "rankdef":  # rank n/4 (of the smaller side)
+        r = max(1, min(n, m) // 4)
+        return torch.randn(b, n, r, generator=g) @ torch.randn(b, r, m, generator=g)
+    assert kind == "expdecay"  # singular values exp(-rate i), down to ~1e-6 of the largest
+    k = min(n, m)
+    u, _ = torch.linalg.qr(torch.randn(b, n, k, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(b, m, k, generator=g))
+    rate = (torch.rand(b, 1, generator=g) * 12 + 1) / k
+    s = torch.exp(-rate * torch.arange(k))
+    return (u * s[:, None, :]) @ v.mT
+
+
+def _singular_values(x: torch.Tensor) -> torch.Tensor:
+    """Singular values (B, min(n, m)), descending, from the eigenvalues of the smaller Gram
+    matrix in float64 (cheaper than an SVD; accurate for values >~ 1e-6 of the largest)."""
+    xd = x.double()
+    gram = xd @ xd.mT if x.shape[-2] <= x.shape[-1] else xd.mT @ xd
+    return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1)
+
+
+def _expected_singular_values(x: torch.Tensor, coeffs) -> torch.Tensor:
+    """Exact-arithmetic output singular values (descending) of NS on x (B, n, m)."""
+    xd = x.double()
+    s = _singular_values(xd / torch.linalg.vector_norm(xd, dim=(-2, -1), keepdim=True))
+    for a, b, c in coeffs:
+        s = a * s + b * s**3 + c * s**5
+    return s.sort(dim=-1, descending=True).values
+
+
+# (batch, n, m): 330 inputs in all, Gram side up to 256, wide, tall and square (-> standard NS).
+FP16_CASES = [
+    (2, 256, 384),
+    (4, 384, 128),
+    (4, 128, 256),
+    (4, 128, 128),
+    (16, 64, 192),
+    (16, 192, 64),
+    (32, 32, 128),
+    (32, 16, 128),
+]
+
+
+def test_fp16_default_settings_are_stable():
+    """Default settings (fp16, polar_express with safety 1.05, restart after iteration 2): no
+    NaN/Inf; every output singular value <= 1.3; those that exact arithmetic takes to >= 0.7
+    are >= 0.6. Gaussian, rank-deficient and exponentially decaying spectra."""
+    cfg = Dion3Config()
+    assert cfg.ns_dtype == "float16" and cfg.ns_restarts == (2,) and cfg.ns_safety_factor == 1.05
+    settings = NSSettings(cfg.ns_algorithm, cfg.coefficients(), cfg.ns_restarts, torch.float16, cfg.ns_eps)
+    g = torch.Generator().manual_seed(2024)
+    count = 0
+    for b, n, m in FP16_CASES:
+        for kind in ("gauss", "rankdef", "expdecay"):
+            x = _inputs(kind, b, n, m, g)
+            out = orthogonalize(x, settings, TorchOps())
+            assert out.dtype == torch.float16 and out.shape == x.shape
+            assert torch.isfinite(out).all(), (b, n, m, kind)
+            sv = _singular_values(out)  # descending
+            expected = _expected_singular_values(x, cfg.coefficients())
+            assert sv.max() <= 1.3, (b, n, m, kind, sv.max().item())
+            big = expected >= 0.7
+            assert big.any()
+            assert sv[big].min() >= 0.6, (b, n, m, kind, sv[big].min().item())
+            count += b
+    assert count >= 200
+
+
+def test_fp16_without_restart_blows_up():
+    """The failure the restart prevents, in fp16 itself: the same rank-deficient / decaying
+    inputs through Gram NS without the restart give singular values far above 1 (or NaN)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([_inputs("rankdef", 32, 32, 128, g), _inputs("expdecay", 32, 32, 128, g)])
+    with_restart = orthogonalize(x, NSSettings("gram", PE, (2,), torch.float16), TorchOps())
+    without = orthogonalize(x, NSSettings("gram", PE, (), torch.float16), TorchOps()).float()
+    assert torch.linalg.svdvals(with_restart.float()).max() <= 1.3
+    worst = torch.linalg.svdvals(torch.nan_to_num(without, nan=1e4, posinf=1e4, neginf=-1e4)).max()
+    assert worst > 3.0
+
+
+class InjectedNegativeGram(TorchOps):
+    """Every Gram matrix R = X X^T that NS forms gets -4e-4 I (paper App. B.2.1's simulation of
+    fp16 rounding: a spurious negative eigenvalue). ``sym_mm`` is only used to form Grams."""
+
+    def __init__(self, shift: float = 4e-4):
+        self.shift = shift
+        self.grams = 0
+
+    def sym_mm(self, a, b):
+        self.grams += 1
+        r = torch.bmm(a, b)
+        return r - self.shift * torch.eye(r.shape[-1], dtype=r.dtype)
+
+
+def _with_tiny_directions(g: torch.Generator) -> torch.Tensor:
+    """(4, 16, 64) float64 with 13 singular values in [1e-2, 1] and three of 1e-4, 3e-4, 1e-3:
+    their squares (<= 1e-6) turn into Gram eigenvalues near -4e-4 under the injected shift."""
+    n, m = 16, 64
+    u, _ = torch.linalg.qr(torch.randn(4, n, n, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(4, m, n, generator=g, dtype=torch.float64))
+    s = torch.cat([torch.logspace(0, -2, n - 3, dtype=torch.float64), torch.tensor([1e-3, 3e-4, 1e-4], dtype=torch.float64)])
+    return (u * s) @ v.mT
+
+
+def test_injected_negative_gram_eigenvalue_needs_restart():
+    """App. B.2.1 in float64: with R0 (and every re-formed R) shifted by -4e-4 I, the
+    un-restarted iteration diverges (the negative eigenvalue grows each step), while the restart
+    after iteration 2 keeps every output singular value bounded near [0, 1]."""
+    g = torch.Generator().manual_seed(11)
+    x = _with_tiny_directions(g)
+
+    ops = InjectedNegativeGram()
+    bounded = orthogonalize(x, NSSettings("gram", PE, (2,), torch.float64), ops)
+    assert ops.grams == 2  # R0 and the restart's R2: the restart really re-formed the Gram
+    assert torch.isfinite(bounded).all()
+    sv = torch.linalg.svdvals(bounded)
+    assert sv.max() < 1.3
+    assert (sv[:, :10] > 0.6).all()  # the well-conditioned part still converges
+
+    ops = InjectedNegativeGram()
+    diverged = orthogonalize(x, NSSettings("gram", PE, (), torch.float64), ops)
+    assert ops.grams == 1
+    sv_bad = torch.linalg.svdvals(torch.nan_to_num(diverged, nan=1e30, posinf=1e30, neginf=-1e30))
+    assert sv_bad.max() > 1e3
+
+    # The kernel itself (no wrapper): Q_5 X_0 without restarts is huge along the negative direction.
+    ops = InjectedNegativeGram()
+    xn = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    q_only = gram_newton_schulz(xn, PE, (), ops)
+    assert torch.linalg.svdvals(q_only).max() > 1e3
+
+
+# ------------------------------------------------------------------------------ orthogonalize_checked
+class CorruptFirstGram(TorchOps):
+    """Corrupts matrix ``which`` of the batch in the first ``times`` Gram products."""
+
+    def __init__(self, which: int, times: int):
+        self.which, self.times, self.calls = which, times, 0
+
+    def sym_mm(self, a, b):
+        r = torch.bmm(a, b)
+        if self.calls < self.times and r.shape[0] > self.which:
+            r = r.clone()
+            r[self.which, 0, 0] = float("inf")
+        self.calls += 1
+        return r
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_checked_recomputes_a_corrupted_matrix(dtype):
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 8, 24, generator=g)
+    settings = NSSettings("gram", PE, (2,), dtype)
+    clean = orthogonalize(x, settings, TorchOps())
+    # sanity: the corruption really makes the plain call non-finite
+    assert not torch.isfinite(orthogonalize(x, settings, CorruptFirstGram(1, 1))).all()
+
+    out, bad = orthogonalize_checked(x, settings, CorruptFirstGram(1, 1))
+    assert bad.tolist() == [False, True, False]
+    assert torch.isfinite(out).all() and out.dtype == dtype
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+    tol = 2e-2 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(out[1].float(), clean[1].float(), atol=tol, rtol=0)
+
+
+def test_checked_falls_back_when_the_retry_also_fails():
+    """The retry (restart every iteration) also fails on the corrupting backend -> the float32
+    standard-NS fallback (reference backend) provides the result."""
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(2, 8, 24, generator=g)
+    settings = NSSettings("gram", PE, (2,), torch.float16)
+    out, bad = orthogonalize_checked(x, settings, CorruptFirstGram(0, 10**6))
+    assert bad.tolist() == [True, False]
+    assert torch.isfinite(out).all()
+    ref = orthogonalize(x.float(), NSSettings("standard", PE, (), torch.float32), TorchOps())
+    torch.testing.assert_close(out[0].float(), ref[0], atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("sync_check", [True, False])
+def test_checked_never_returns_nonfinite_for_inf_input(sync_check):
+    """An input with inf cannot be orthogonalized at all: the result must still be finite
+    (zero, i.e. no update) and flagged, never NaN."""
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(3, 8, 24, generator=g)
+    x[1, 2, 3] = float("inf")
+    settings = NSSettings("gram", PE, (2,), torch.float16)
+    out, bad = orthogonalize_checked(x, settings, TorchOps(), sync_check=sync_check)
+    assert bad.tolist() == [False, True, False]
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[0], orthogonalize(x[[0, 2]], settings, TorchOps())[0])
+
+
+def test_polar_express_schedule_and_safety_factor():
+    """Coefficient schedule: PE's per-step triples with p(x) -> p(x / 1.05); later steps repeat
+    the last polynomial; Muon's quintic is constant."""
+    coeffs = coefficient_schedule("polar_express", 10, 1.05)
+    for t, (a, b, c) in enumerate(coeffs):
+        a0, b0, c0 = POLAR_EXPRESS[min(t, len(POLAR_EXPRESS) - 1)]
+        x = 0.37
+        assert abs((a * x + b * x**3 + c * x**5) - (a0 * (x / 1.05) + b0 * (x / 1.05) ** 3 + c0 * (x / 1.05) ** 5)) < 1e-12
+    assert coefficient_schedule("muon", 3, 1.0) == ((3.4445, -4.7750, 2.0315),) * 3
