@@ -7,16 +7,18 @@ output head, norms, biases) run torch's AdamW inside the same optimizer.
 """
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.optim.adamw import adamw
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
 from dion3_titan.dist.layout import describe, row_state, to_local
 from dion3_titan.dist.plan import ShapeGroup, build_groups
-from dion3_titan.kernels import select_backend
+from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim.config import Dion3Config
-from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize_checked
+from dion3_titan.optim.orthogonalize import NSSettings, nonfinite_matrices, orthogonalize, repair_nonfinite
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.update import (
     apply_update,
@@ -28,6 +30,22 @@ from dion3_titan.optim.update import (
 )
 
 ALGORITHMS = ("dion3", "adamw")
+
+
+@dataclass
+class _GroupWork:
+    """One shape group in flight between orthogonalization and update."""
+
+    sg: ShapeGroup
+    cfg: Dion3Config
+    views: list[torch.Tensor]
+    rows_per: tuple[torch.Tensor, ...]
+    valid: torch.Tensor | None
+    owned: torch.Tensor
+    owned_v: torch.Tensor | None
+    ortho: torch.Tensor
+    backend: Backend
+    tall: bool
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
 
 
@@ -100,6 +118,7 @@ class Dion3(torch.optim.Optimizer):
         self._ns_bad_count: torch.Tensor | None = None
         self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]
         self._state_version = 0
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (nonfinite="skip")
         self._device_consts: dict[tuple, torch.Tensor] = {}  # made once, read by captured steps
 
     def _init_state(self) -> None:
@@ -174,8 +193,9 @@ class Dion3(torch.optim.Optimizer):
 
     def _grads_finite(self) -> bool:
         """``nonfinite``: "raise" names the parameters with a non-finite gradient
-        (FloatingPointError); "skip" returns False so the whole step is skipped. One host sync.
-        (Single-process decision: distributed runs must agree on it across ranks.)"""
+        (FloatingPointError), "skip" returns False so the step leaves parameters and state
+        untouched. In a distributed run every rank reaches the same decision (one all-reduce of
+        a flag; the names travel only when something is wrong). One host sync."""
         named = [
             (name, to_local(p.grad))
             for g in self.param_groups
@@ -184,13 +204,25 @@ class Dion3(torch.optim.Optimizer):
         ]
         if not named:
             return True
-        finite = torch.stack([torch.isfinite(grad).all() for _, grad in named]).tolist()
-        if all(finite):
+        finite = torch.stack([torch.isfinite(grad).all() for _, grad in named])
+        all_ok = finite.all().to(torch.int32)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            dist.all_reduce(all_ok, op=dist.ReduceOp.MIN)
+        if bool(all_ok):
             return True
+        bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
         if self.defaults["nonfinite"] == "skip":
+            self.skipped_steps += 1
             return False
-        bad = [name for (name, _), ok in zip(named, finite) if not ok]
-        raise FloatingPointError(f"Dion3: non-finite gradient in {bad} (nonfinite='skip' skips such steps)")
+        if distributed:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, (dist.get_rank(), bad))
+            bad = [f"{name} (rank {r})" for r, names in everyone for name in names]
+        raise FloatingPointError(
+            f"Dion3: non-finite gradient in {bad[:8]}{' ...' if len(bad) > 8 else ''} "
+            "(set [optimizer] nonfinite = 'skip' to skip such steps)"
+        )
 
     def load_hyperparameters(self) -> None:
         """Copy each group's lr and weight decay into its device tensors. Kept out of
@@ -209,23 +241,34 @@ class Dion3(torch.optim.Optimizer):
         for gi, (group, cfg) in enumerate(zip(self.param_groups, self._configs)):
             if cfg is None:
                 self._adamw_step(gi, group)
-        for sg in self._groups:
-            self._matrix_step(sg, sync_check)
+        self._matrix_steps(self._groups, sync_check)
 
-    def _matrix_step(self, sg: ShapeGroup, sync_check: bool = True) -> None:
-        group = self.param_groups[sg.group_index]
-        cfg = self._configs[sg.group_index]
-        normuon = cfg.flavor == "normuon"
-        members = sg.members
-        moms, grads = [], []
-        for m in members:
-            if m.param.grad is not None:
-                moms.append(to_local(self.state[m.param]["momentum"]))
-                grads.append(to_local(m.param.grad))
+    def _matrix_steps(self, groups: list[ShapeGroup], sync_check: bool) -> None:
+        """The matrix pipeline over ``groups``: every gather and orthogonalization is issued
+        before any update, so one host check covers the whole step's NS results."""
+        self._accumulate(groups)
+        work = [self._orthogonalize_group(sg) for sg in groups]
+        if work:
+            self._check_results(work, sync_check)
+        for w in work:
+            self._update_group(w)
+
+    def _accumulate(self, groups: list[ShapeGroup]) -> None:
+        """1. M <- M + G, once per parameter (a split parameter has several members)."""
+        seen, moms, grads = set(), [], []
+        for sg in groups:
+            for m in sg.members:
+                if m.param.grad is not None and id(m.param) not in seen:
+                    seen.add(id(m.param))
+                    moms.append(to_local(self.state[m.param]["momentum"]))
+                    grads.append(to_local(m.param.grad))
         if moms:
-            torch._foreach_add_(moms, grads)  # 1. accumulate: M <- M + G
+            torch._foreach_add_(moms, grads)
 
-        # 2. select: this rank's rows of every matrix in the group, as one (N, R) batch
+    def _orthogonalize_group(self, sg: ShapeGroup) -> "_GroupWork":
+        """2-4: select this rank's rows, pack them, gather them to their owners, orthogonalize."""
+        cfg = self._configs[sg.group_index]
+        members = sg.members
         views = [m.view(to_local(self.state[m.param]["momentum"])) for m in members]
         rows, valid = self._select(sg, cfg, views)
 
@@ -233,48 +276,72 @@ class Dion3(torch.optim.Optimizer):
         sel, k, cols = sg.selected, sg.k, sg.cols
         rows_per = rows.split([m.layout.batch for m in members])
         send = torch.cat([take_rows(v, r) for v, r in zip(views, rows_per)])
-        for i, m in enumerate(members):
+        for m in members:
             if m.param.grad is None:  # no gradient: contributes nothing, receives no update
                 send[m.offset : m.offset + m.layout.batch] = 0
         if valid is not None:
             send = send * valid.unsqueeze(-1).to(send.dtype)
         send = torch.nn.functional.pad(send, (0, cols - sg.local_cols, 0, k - sel))
         send_v = None
-        if normuon:
+        if cfg.flavor == "normuon":
             vs = torch.cat([self._variance(m) for m in members]).gather(1, rows)
             send_v = torch.nn.functional.pad(vs, (0, k - sel))
 
-        # 3-5. gather to owners, orthogonalize the batch (+ NorMuon), scatter back
         owned, owned_v = sg.exchange.gather(send, send_v)
         backend = select_backend(cfg.backend, tuple(owned.shape), cfg.compute_dtype, owned.device)
+        # orient by the real (unpadded) selected shape, see orthogonalize()
         real_rows = sg.global_k if cfg.selection_scope == "global" else sum(min(sg.k, r) for r in sg.block_rows)
         tall = real_rows > members[0].layout.global_cols
-        ortho, bad = orthogonalize_checked(owned, self._ns[sg.group_index], backend, sync_check, tall)
-        self._ns_bad(bad)
+        ortho = orthogonalize(owned, self._ns[sg.group_index], backend, tall)
+        return _GroupWork(sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall)
+
+    def _check_results(self, work: list["_GroupWork"], sync_check: bool) -> None:
+        """A non-finite NS result is never applied: eager steps recompute it (one host sync for
+        the whole step), captured steps zero it (that matrix skips its update) and count it."""
+        bads = [nonfinite_matrices(w.ortho) for w in work]
+        for b in bads:
+            self._ns_bad(b)
+        if not sync_check:
+            for w, b in zip(work, bads):
+                w.ortho = torch.where(b[:, None, None], torch.zeros_like(w.ortho), w.ortho)
+            return
+        flags = torch.stack([b.any() for b in bads]).tolist()
+        for w, b, flag in zip(work, bads, flags):
+            if flag:
+                w.ortho = repair_nonfinite(w.owned, w.ortho, b, self._ns[w.sg.group_index], w.backend, w.tall)
+
+    def _update_group(self, w: "_GroupWork") -> None:
+        """5-6: NorMuon on the owner, scatter back, then the fused update with error feedback."""
+        sg, cfg, members = w.sg, w.cfg, w.sg.members
+        group = self.param_groups[sg.group_index]
+        normuon = cfg.flavor == "normuon"
+        ortho, owned_v = w.ortho, w.owned_v
         if normuon:
             ortho, owned_v = normuon_normalize(
-                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, sg.members[0].layout.global_cols
+                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, members[0].layout.global_cols
             )
         result, result_v = sg.exchange.scatter(ortho, owned_v)
+        sel = sg.selected
         result = result[:, :sel, : sg.local_cols]
 
-        # 6. update: decay all rows, subtract on the selected rows, error feedback
         lr, wd = self._hyper[sg.group_index].unbind()
         decay = 1.0 - lr * wd
-        valid_per = valid.split([m.layout.batch for m in members]) if valid is not None else None
+        valid_per = w.valid.split([m.layout.batch for m in members]) if w.valid is not None else None
         for i, m in enumerate(members):
             if m.param.grad is None:
                 continue
             sl = slice(m.offset, m.offset + m.layout.batch)
             weight = m.view(to_local(m.param))
             ok = valid_per[i] if valid_per is not None else None
-            apply_update(weight, views[i], result[sl], rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"], backend)
+            apply_update(
+                weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"], w.backend
+            )
             if normuon:
                 v_state = self._variance(m)
                 v_new = result_v[sl, :sel].float()
                 if ok is not None:
-                    v_new = torch.where(ok, v_new, v_state.gather(1, rows_per[i]))
-                v_state.scatter_(1, rows_per[i], v_new)
+                    v_new = torch.where(ok, v_new, v_state.gather(1, w.rows_per[i]))
+                v_state.scatter_(1, w.rows_per[i], v_new)
 
     def _variance(self, m) -> torch.Tensor:
         """(B, R) local view of a member's NorMuon second moment."""

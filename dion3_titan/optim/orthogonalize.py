@@ -109,44 +109,54 @@ def orthogonalize(
     return out.mT if tall else out
 
 
+def nonfinite_matrices(out: torch.Tensor) -> torch.Tensor:
+    """(B,) mask of the matrices in a batch holding a NaN or inf."""
+    return ~torch.isfinite(out).flatten(1).all(dim=1)
+
+
+def repair_nonfinite(
+    x: torch.Tensor, out: torch.Tensor, bad: torch.Tensor, settings: NSSettings, backend: Backend,
+    tall: bool | None = None,
+) -> torch.Tensor:
+    """Recompute the ``bad`` matrices of ``out = orthogonalize(x)`` with a restart after every
+    iteration, then standard NS in float32; a matrix still not finite (its input was not)
+    becomes zero. Synchronizes with the device."""
+    idx = bad.nonzero().squeeze(1)
+    retry = NSSettings(
+        algorithm=settings.algorithm,
+        coefficients=settings.coefficients,
+        restarts=tuple(range(1, len(settings.coefficients))),
+        dtype=settings.dtype,
+        eps=settings.eps,
+    )
+    fixed = orthogonalize(x[idx], retry, backend, tall)
+    still_bad = nonfinite_matrices(fixed)
+    if bool(still_bad.any()):
+        from dion3_titan.kernels.torch_ops import TorchOps
+
+        fallback = NSSettings("standard", settings.coefficients, (), torch.float32, settings.eps)
+        fixed = torch.where(
+            still_bad[:, None, None], orthogonalize(x[idx].float(), fallback, TorchOps(), tall).to(fixed.dtype), fixed
+        )
+        # A non-finite input defeats every retry: zero it (no update) rather than apply it.
+        fixed = torch.where(nonfinite_matrices(fixed)[:, None, None], torch.zeros_like(fixed), fixed)
+    return out.index_copy(0, idx, fixed.to(out.dtype))
+
+
 def orthogonalize_checked(
     x: torch.Tensor, settings: NSSettings, backend: Backend, sync_check: bool = True, tall: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``orthogonalize`` that never returns a non-finite matrix.
 
     Returns (result, bad) where ``bad`` (B,) marks matrices whose first result was not finite.
-    With ``sync_check`` (eager steps) those are recomputed with an extra restart after every
-    iteration and, failing that, standard NS in float32; without it (CUDA-graph capture, where
-    the host may not look) they are zeroed so the update skips them, and ``bad`` is counted.
+    With ``sync_check`` (eager steps) those are recomputed (``repair_nonfinite``); without it
+    (CUDA-graph capture, where the host may not look) they are zeroed so the update skips
+    them, and ``bad`` is counted.
     """
     out = orthogonalize(x, settings, backend, tall)
-    bad = ~torch.isfinite(out).flatten(1).all(dim=1)
+    bad = nonfinite_matrices(out)
     if sync_check:
         if bool(bad.any()):
-            idx = bad.nonzero().squeeze(1)
-            retry = NSSettings(
-                algorithm=settings.algorithm,
-                coefficients=settings.coefficients,
-                restarts=tuple(range(1, len(settings.coefficients))),
-                dtype=settings.dtype,
-                eps=settings.eps,
-            )
-            fixed = orthogonalize(x[idx], retry, backend, tall)
-            still_bad = ~torch.isfinite(fixed).flatten(1).all(dim=1)
-            if bool(still_bad.any()):
-                fallback = NSSettings("standard", settings.coefficients, (), torch.float32, settings.eps)
-                from dion3_titan.kernels.torch_ops import TorchOps
-
-                fixed = torch.where(
-                    still_bad[:, None, None],
-                    orthogonalize(x[idx].float(), fallback, TorchOps(), tall).to(fixed.dtype),
-                    fixed,
-                )
-                # A non-finite input (inf/NaN) defeats every retry: zero it (no update), as
-                # the capture path below does, rather than return a non-finite matrix.
-                finite = torch.isfinite(fixed).flatten(1).all(dim=1)
-                fixed = torch.where(finite[:, None, None], fixed, torch.zeros_like(fixed))
-            out = out.index_copy(0, idx, fixed.to(out.dtype))
+            out = repair_nonfinite(x, out, bad, settings, backend, tall)
         return out, bad
-    out = torch.where(bad[:, None, None], torch.zeros_like(out), out)
-    return out, bad
+    return torch.where(bad[:, None, None], torch.zeros_like(out), out), bad

@@ -150,10 +150,11 @@ class PeriodicRowwiseMuon(Dion3):
         return group[STEP_KEY] % group["refresh_period"] == 0
 
     # ----------------------------------------------------------------- the step
-    def step_body(self, sync_check: bool) -> None:
-        # Dion3.step_body with its shape-group loop replaced by ``_matrix_steps`` (drop this
-        # override once Dion3.step_body calls an overridable ``_matrix_steps`` itself). Dion3.step
-        # runs it only when the gradients are finite, so a skipped step does not advance t.
+    def _matrix_steps(self, shape_groups: list[ShapeGroup], sync_check: bool) -> None:
+        """Step t of every matrix group: refresh groups run Dion3's pipeline (fraction 1: full
+        NS of M_t, then M *= mu), the others one RowNorm pass over all their shape groups
+        together, so the split matrices' statistics share one all-reduce. Then t += 1 (on the
+        host: a CUDA graph needs one capture per branch and must advance t itself)."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             # One captured graph would replay one branch forever and never advance t.
             raise NotImplementedError(
@@ -161,22 +162,10 @@ class PeriodicRowwiseMuon(Dion3):
                 "RowNorm step are different graphs and the step counter lives on the host; "
                 "disable cuda_graph for name='prmuon'"
             )
-        for gi, (group, cfg) in enumerate(zip(self.param_groups, self._configs)):
-            if cfg is None:
-                self._adamw_step(gi, group)
-        self._matrix_steps(self._groups, sync_check)
-
-    def _matrix_steps(self, shape_groups: list[ShapeGroup], sync_check: bool) -> None:
-        """Step t of every matrix group: refresh groups run Dion3's pipeline (fraction 1: full
-        NS of M_t, then M *= mu), the others one RowNorm pass over all their shape groups
-        together, so the split matrices' statistics share one all-reduce. Then t += 1 (on the
-        host: a CUDA graph needs one capture per branch and must advance t itself)."""
-        rownorm_groups = []
-        for sg in shape_groups:
-            if self.is_refresh(sg.group_index):
-                self._matrix_step(sg, sync_check)
-            else:
-                rownorm_groups.append(sg)
+        refresh = [sg for sg in shape_groups if self.is_refresh(sg.group_index)]
+        rownorm_groups = [sg for sg in shape_groups if not self.is_refresh(sg.group_index)]
+        if refresh:
+            super()._matrix_steps(refresh, sync_check)
         if rownorm_groups:
             self._rownorm_step(rownorm_groups)
         for group, cfg in zip(self.param_groups, self._configs):
