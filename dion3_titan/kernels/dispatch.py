@@ -55,6 +55,9 @@ def get_backend(name: str) -> Backend:
     raise ValueError(f"backend must be one of {BACKENDS}, got backend={name!r}")
 
 
+TRITON_MIN_N = 512
+
+
 def cute_available() -> bool:
     """True when the CuteDSL backend can run here (without building it)."""
     from dion3_titan.kernels.cute_symm import is_available
@@ -69,7 +72,9 @@ def select_backend(
 
     An explicit name is honoured as is. "auto": CPU or a dtype other than fp16/bf16 -> torch;
     CuteDSL on an SM90 GPU when the Gram side min(n, m) is >= CUTE_MIN_N and a multiple of 128
-    (measured faster than cuBLAS there, table above); otherwise torch.
+    (measured faster than cuBLAS there, table above); else Triton from a Gram side of
+    TRITON_MIN_N (H200, 2026-11-30, Gram NS ms torch/Triton: 64x256x1024 0.61/0.72,
+    32x512x2048 0.98/0.86, 16x1024x4096 2.55/2.11, 32x2048x7168 29.0/21.7); otherwise torch.
     """
     if preference != "auto":
         if preference not in BACKENDS:
@@ -82,6 +87,8 @@ def select_backend(
         return get_backend("torch")
     if side >= CUTE_MIN_N and side % CUTE_TILE == 0 and max(n, m) % ALIGN == 0 and cute_available():
         return get_backend("cute")
+    if side >= TRITON_MIN_N:
+        return get_backend("triton")
     return get_backend("torch")
 
 

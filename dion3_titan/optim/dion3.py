@@ -235,6 +235,7 @@ class Dion3(torch.optim.Optimizer):
                 t = self._hyper[gi] = torch.zeros(2, dtype=torch.float32, device=to_local(group["params"][0]).device)
             t.copy_(torch.tensor([group["lr"], group["weight_decay"]], dtype=torch.float32), non_blocking=True)
 
+    @torch.no_grad()
     def step_body(self, sync_check: bool) -> None:
         """Everything a step does on the device. With ``sync_check`` False it never waits on
         the device (required inside CUDA-graph capture)."""
