@@ -32,6 +32,7 @@ class GraphedOptimizer:
         self._grads: list[torch.Tensor] = []
         self._params: list[torch.Tensor] = []
         self._version = None
+        self.captured_comm: tuple[int, int] | None = None
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
@@ -82,8 +83,11 @@ class GraphedOptimizer:
         graph = torch.cuda.CUDAGraph()
         if self._stream is None:
             self._stream = torch.cuda.Stream()
+        opt.comm_stats.reset()
         with torch.cuda.graph(graph, stream=self._stream):
             opt.step_body(sync_check=False)
+        # the replayed step issues exactly the collectives the captured one did
+        self.captured_comm = (opt.comm_stats.calls, opt.comm_stats.bytes)
         self._graph = graph
         self._version = self._signature()
 

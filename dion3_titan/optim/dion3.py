@@ -119,6 +119,12 @@ class Dion3(torch.optim.Optimizer):
         self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]
         self._state_version = 0
         self.skipped_steps = 0  # steps skipped for non-finite gradients (nonfinite="skip")
+        # observability (dion3_titan.metrics): off unless enabled; no host syncs in the step
+        self._last_selected: dict[int, torch.Tensor] | None = None  # member id -> (B, R) step
+        self._step_t: torch.Tensor | None = None
+        self.measure_updates = False  # set on logging steps: accumulate update sums of squares
+        self.update_sumsq: dict[str, torch.Tensor] = {}
+        self.update_numel: dict[str, int] = {}
         self._device_consts: dict[tuple, torch.Tensor] = {}  # made once, read by captured steps
 
     def _init_state(self) -> None:
@@ -247,6 +253,8 @@ class Dion3(torch.optim.Optimizer):
     def _matrix_steps(self, groups: list[ShapeGroup], sync_check: bool) -> None:
         """The matrix pipeline over ``groups``: every gather and orthogonalization is issued
         before any update, so one host check covers the whole step's NS results."""
+        if self._step_t is not None:
+            self._step_t += 1
         self._accumulate(groups)
         work = [self._orthogonalize_group(sg) for sg in groups]
         if work:
@@ -343,6 +351,44 @@ class Dion3(torch.optim.Optimizer):
                 if ok is not None:
                     v_new = torch.where(ok, v_new, v_state.gather(1, w.rows_per[i]))
                 v_state.scatter_(1, w.rows_per[i], v_new)
+            if self._last_selected is not None:
+                stamp = self._step_t.expand_as(w.rows_per[i])
+                if ok is not None:
+                    stamp = torch.where(ok, stamp, self._last_selected[id(m)].gather(1, w.rows_per[i]))
+                self._last_selected[id(m)].scatter_(1, w.rows_per[i], stamp)
+            if self.measure_updates:
+                self._add_update_sumsq(m.name, (lr * m.lr_scale) * result[sl].float(), m.layout)
+
+    # ----------------------------------------------------------------- observability
+    def track_selection(self) -> None:
+        """Keep, per matrix row, the step it was last selected at (for selection metrics)."""
+        if self._last_selected is not None:
+            return
+        device = next((to_local(m.param).device for sg in self._groups for m in sg.members), torch.device("cpu"))
+        self._step_t = torch.zeros((), dtype=torch.int64, device=device)
+        self._last_selected = {
+            id(m): torch.zeros(m.layout.batch, m.layout.local_rows, dtype=torch.int64, device=to_local(m.param).device)
+            for sg in self._groups
+            for m in sg.members
+        }
+
+    def selection_stats(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(share of this rank's rows selected within the last ``window`` steps, age in steps
+        of the longest-unselected row), as device scalars."""
+        if not self._last_selected:
+            zero = torch.zeros(())
+            return zero, zero
+        ages = torch.cat([(self._step_t - t).flatten() for t in self._last_selected.values()])
+        return (ages < window).float().mean(), ages.max()
+
+    def _add_update_sumsq(self, name: str, update: torch.Tensor, layout) -> None:
+        from dion3_titan.metrics import param_class
+
+        cls = param_class(name)
+        value = update.square().sum()
+        self.update_sumsq[cls] = self.update_sumsq.get(cls, 0) + value
+        # every row decays, only the selected ones move: RMS over the whole matrix
+        self.update_numel[cls] = self.update_numel.get(cls, 0) + layout.batch * layout.local_rows * layout.local_cols
 
     def _variance(self, m) -> torch.Tensor:
         """(B, R) local view of a member's NorMuon second moment."""

@@ -1,0 +1,115 @@
+"""Optimizer metrics for a training run's logger: measured only on logging steps, so other
+steps get no host synchronization and no extra device work.
+
+Reported (names as logged):
+- optimizer/gpu_ms, optimizer/host_ms: device time (CUDA events around the step) and host time
+  (perf_counter, before any sync) of the step;
+- optimizer/comm_MB, optimizer/collectives: bytes this rank received and collectives issued;
+- optimizer/update_rms/<class>: RMS of the update (lr-scaled) over the matrices of each class
+  (attention, mlp, experts, other) and of the AdamW parameters;
+- optimizer/selection/covered: share of rows selected at least once in the last ``window`` steps;
+  optimizer/selection/oldest_unselected: age in steps of the longest-unselected row;
+- optimizer/ns_nonfinite: Newton-Schulz results that were not finite (recomputed or skipped),
+  optimizer/skipped_steps: steps skipped for non-finite gradients;
+- optimizer/peak_mem_GiB: peak device memory allocated during the step.
+"""
+
+import time
+
+import torch
+
+from dion3_titan.dist.layout import to_local
+
+CLASSES = ("attention", "mlp", "experts", "other")
+
+
+def param_class(name: str) -> str:
+    if "expert" in name:
+        return "experts"
+    if "attention" in name or "attn" in name:
+        return "attention"
+    if "feed_forward" in name or "mlp" in name or "ffn" in name:
+        return "mlp"
+    return "other"
+
+
+class OptimizerMetrics:
+    """Wraps the step of one Dion3 (or GraphedOptimizer) with measurements on chosen steps."""
+
+    def __init__(self, optimizer, window: int = 100) -> None:
+        self.optimizer = optimizer
+        self.dion3 = getattr(optimizer, "optimizer", optimizer)  # unwrap GraphedOptimizer
+        self.window = window
+        self.dion3.track_selection()
+        self._pending: dict | None = None
+
+    def step(self, measure: bool) -> None:
+        opt, d = self.optimizer, self.dion3
+        if not measure:
+            opt.step()
+            return
+        cuda = torch.cuda.is_available() and any(
+            to_local(p).is_cuda for g in d.param_groups for p in g["params"]
+        )
+        d.comm_stats.reset()
+        d.measure_updates = True
+        d.update_sumsq, d.update_numel = {}, {}
+        adamw_before = self._adamw_snapshot()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        opt.step()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        if cuda:
+            end.record()
+        d.measure_updates = False
+        calls, nbytes = d.comm_stats.calls, d.comm_stats.bytes
+        captured = getattr(opt, "captured_comm", None)
+        if captured is not None and getattr(opt, "_graph", None) is not None:
+            calls, nbytes = captured  # a replayed graph runs no Python: the captured step's
+        self._pending = {
+            "events": (start, end) if cuda else None,
+            "host_ms": host_ms,
+            "calls": calls,
+            "bytes": nbytes,
+            "adamw": (adamw_before, self._adamw_params()),
+            "cuda": cuda,
+        }
+
+    def _adamw_params(self) -> list[torch.Tensor]:
+        d = self.dion3
+        return [to_local(p).detach() for g, c in zip(d.param_groups, d._configs) if c is None for p in g["params"]]
+
+    def _adamw_snapshot(self) -> list[torch.Tensor]:
+        # AdamW parameters (embeddings, head, norms) are copied on logging steps only.
+        return [p.detach().clone() for p in self._adamw_params()]
+
+    def collect(self) -> dict[str, float]:
+        """The metrics of the last measured step (synchronizes)."""
+        if self._pending is None:
+            return {}
+        p, d = self._pending, self.dion3
+        out = {
+            "optimizer/host_ms": p["host_ms"],
+            "optimizer/comm_MB": p["bytes"] / 1e6,
+            "optimizer/collectives": float(p["calls"]),
+            "optimizer/ns_nonfinite": float(d.nonfinite_ns_events),
+            "optimizer/skipped_steps": float(d.skipped_steps),
+        }
+        if p["events"] is not None:
+            torch.cuda.synchronize()
+            out["optimizer/gpu_ms"] = p["events"][0].elapsed_time(p["events"][1])
+            out["optimizer/peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        for cls, sq in d.update_sumsq.items():
+            out[f"optimizer/update_rms/{cls}"] = float((sq / max(d.update_numel[cls], 1)).sqrt())
+        before, after = p["adamw"]
+        if before:
+            sq = sum(float((a.float() - b.float()).square().sum()) for a, b in zip(after, before))
+            out["optimizer/update_rms/adamw"] = (sq / max(sum(b.numel() for b in before), 1)) ** 0.5
+        covered, oldest = d.selection_stats(self.window)
+        out["optimizer/selection/covered"] = float(covered)
+        out["optimizer/selection/oldest_unselected"] = float(oldest)
+        self._pending = None
+        return out
