@@ -51,8 +51,8 @@ class MatrixLayout:
     mesh: object = None  # the DeviceMesh (None for a plain tensor)
     # A piece (optim/split.py): this layout then describes the row slice ``piece`` (dim -2) of
     # the parameter; ``local_piece`` is where the piece's rows sit in the local shard (a view).
-    piece: slice | None = None
-    local_piece: slice | None = None
+    piece: slice | None = field(default=None, hash=False)  # (slices are unhashable before 3.12)
+    local_piece: slice | None = field(default=None, hash=False)
     # Rows of dim -2 held by each coordinate of the mesh dims that cut dim -2 (row-major over
     # those dims; () when dim -2 is whole on every rank). Rank-independent: part of the group key.
     row_counts: tuple[int, ...] = ()

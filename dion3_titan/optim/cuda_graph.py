@@ -6,9 +6,20 @@ rate and weight decay stay live: they are device tensors refreshed before every 
 LR schedules (torchtitan's LambdaLR) still apply.
 """
 
+import weakref
+
 import torch
 
 from dion3_titan.dist.layout import to_local
+
+_live: "weakref.WeakSet[GraphedOptimizer]" = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Free every captured step (call before destroying the process group they captured
+    collectives on, or NCCL teardown can hang)."""
+    for g in list(_live):
+        g.release()
 
 
 class GraphedOptimizer:
@@ -33,6 +44,7 @@ class GraphedOptimizer:
         self._params: list[torch.Tensor] = []
         self._version = None
         self.captured_comm: tuple[int, int] | None = None
+        _live.add(self)
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)

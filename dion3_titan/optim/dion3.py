@@ -378,8 +378,9 @@ class Dion3(torch.optim.Optimizer):
         if not self._last_selected:
             zero = torch.zeros(())
             return zero, zero
-        ages = torch.cat([(self._step_t - t).flatten() for t in self._last_selected.values()])
-        return (ages < window).float().mean(), ages.max()
+        last = torch.cat([t.flatten() for t in self._last_selected.values()])
+        ages = self._step_t - last  # a never-selected row (stamp 0) is as old as the tracking
+        return ((ages < window) & (last > 0)).float().mean(), ages.max()
 
     def _add_update_sumsq(self, name: str, update: torch.Tensor, layout) -> None:
         from dion3_titan.metrics import param_class

@@ -101,6 +101,11 @@ class PeriodicRowwiseMuon(Dion3):
                 f"PeriodicRowwiseMuon: unknown option(s) {sorted(unknown)}; allowed are {sorted(allowed)}"
             )
         own = PRMuonConfig(**{k: options.pop(k) for k in PRMuonConfig.keys() if k in options})
+        if options.get("split_specs") or options.get("split_heads"):
+            raise ValueError(
+                "PeriodicRowwiseMuon: split_specs/split_heads are not supported (its RowNorm steps "
+                "work on whole matrices); leave them unset for name='prmuon'"
+            )
         for key, value in FIXED.items():
             _check_fixed(key, options.get(key, value), "")
         super().__init__(params, lr=lr, **{**NS_DEFAULTS, **options})

@@ -25,6 +25,7 @@ DEFAULT_ADAMW_PATTERNS = (
     r"(^|\.)norm",
     r"_norm\.",
     r"\.bias$",
+    r"_bias$",  # e.g. gpt_oss experts' mlp1_bias (2D: one bias row per expert)
     r"(^|\.)router\.gate\.",
     r"expert_bias$",
     r"tokens_per_expert$",

@@ -1,0 +1,68 @@
+"""`python -m dion3_titan.train --job.config_file X.toml` (under torchrun): torchtitan's own
+trainer and `main`, with the dion3 plugin registered, plus the CPU/gloo shims when the machine
+has no accelerator."""
+
+import sys
+from typing import Any
+
+import torch
+
+
+def has_accelerator() -> bool:
+    return torch.accelerator.is_available()
+
+
+def check_optimizer_config(args: list[str]) -> None:
+    """Parse the job config as torchtitan will and validate the Dion3 keys now, in seconds,
+    instead of when torchtitan builds the optimizer (after the model is built and sharded)."""
+    from torchtitan.config import ConfigManager
+
+    from dion3_titan.plugin import NAMES, dion3_options
+
+    cfg = ConfigManager().parse_args(args).optimizer
+    if cfg.name in NAMES:
+        dion3_options(cfg)  # ValueError naming the key and its allowed values
+
+
+def main(trainer_class: type[Any] | None = None) -> None:
+    """Runs torchtitan's `main` with `trainer_class` (default: torchtitan's Trainer)."""
+    # Shims first: they rebind torchtitan's device globals before the trainer reads them.
+    if not has_accelerator():
+        from dion3_titan import cpu_shims
+
+        cpu_shims.apply()
+
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as titan_main
+
+    from dion3_titan import plugin
+
+    # Registered even when the TOML does not name dion3_titan.job_config, so "dion3"/"muon"
+    # with default hyperparameters and the offline dataset work from any config.
+    plugin.register()
+    check_optimizer_config(sys.argv[1:])
+    _release_graphs_before_teardown()
+    titan_main(trainer_class or Trainer)
+
+
+def _release_graphs_before_teardown() -> None:
+    """torchtitan's main destroys the process group at exit; a captured optimizer step holds
+    NCCL work on it, so free captured steps first (else teardown can hang)."""
+    import torch.distributed as dist
+
+    from dion3_titan.optim.cuda_graph import release_all
+
+    destroy = dist.destroy_process_group
+    if getattr(destroy, "_dion3", False):
+        return
+
+    def destroy_after_release(*args, **kwargs):
+        release_all()
+        return destroy(*args, **kwargs)
+
+    destroy_after_release._dion3 = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_after_release
+
+
+if __name__ == "__main__":
+    main()

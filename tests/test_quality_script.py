@@ -1,0 +1,92 @@
+"""CPU smoke test of the issue-9 quality scripts: a tiny corpus of real text (Python's
+language-reference topics), every optimizer run of scripts/quality_run.py in --tiny mode, and
+the results page of scripts/plot_quality.py."""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """Import scripts/<name>.py (scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    root = tmp_path_factory.mktemp("quality")
+    corpus = root / "corpus"
+    meta = load_script("build_quality_corpus").build_tiny(str(corpus))
+    assert meta["train_tokens"] > 10_000 and meta["val_tokens"] > 0
+    out = root / "out"
+    report = load_script("quality_run").main(["--tiny", "--data", str(corpus), "--out", str(out)])
+    return report, out
+
+
+def test_every_run_has_finite_losses(tiny_report: tuple[dict, Path]) -> None:
+    report, out = tiny_report
+    with open(out / "quality.json") as f:
+        saved = json.load(f)
+    assert saved["runs"].keys() == report["runs"].keys()
+    names = set(saved["runs"])
+    expected = {"adamw_lr0.0015", "adamw_lr0.003", "adamw_lr0.006", "dion3_f1_standard", "dion3_f1_gram", "dion3_f0.25", "prmuon"}
+    assert expected <= names
+    assert "muon_torch" in names or "muon_dion3" in names
+    steps = saved["meta"]["args"]["steps"]
+    for name, run in saved["runs"].items():
+        assert run["status"] == "ok", (name, run["status"])
+        losses = [v for _, v in run["val"]] + run["train"]
+        assert losses and all(math.isfinite(v) for v in losses), name
+        assert run["val"][0][0] == 0 and run["val"][-1][0] == steps
+        assert len(run["opt_ms"]) == len(run["fwd_bwd_ms"]) == steps
+        assert run["final_val"] < math.log(saved["meta"]["model"]["vocab_size"]) + 1.0
+
+
+def test_same_start_for_every_run(tiny_report: tuple[dict, Path]) -> None:
+    """Same init weights and validation set: the step-0 validation loss is identical."""
+    first = {run["val"][0][1] for run in tiny_report[0]["runs"].values()}
+    assert len(first) == 1
+
+
+def test_results_page(tiny_report: tuple[dict, Path]) -> None:
+    _, out = tiny_report
+    page = out / "results.md"
+    load_script("plot_quality").main([str(out / "quality.json"), "--no-plots", "--markdown", str(page)])
+    text = page.read_text()
+    assert "_not yet run_" not in text
+    for name in tiny_report[0]["runs"]:
+        assert f"| {name} |" in text
+    # a filled page is a template too: refilling it gives the same page
+    again = out / "again.md"
+    load_script("plot_quality").main([str(out / "quality.json"), "--no-plots", "--markdown", str(again), "--template", str(page)])
+    assert again.read_text() == text
+
+
+def test_schedule_shape() -> None:
+    q = load_script("quality_run")
+    mults = [q.lr_multiplier(s, 100, 10, 0.25, 0.0) for s in range(100)]
+    assert mults[0] == pytest.approx(0.1) and mults[9] == 1.0
+    assert all(m == 1.0 for m in mults[10:75])
+    assert mults[-1] == pytest.approx(0.0) and all(a >= b for a, b in zip(mults[75:], mults[76:]))
+
+
+@pytest.mark.skipif(not os.path.isfile(SCRIPTS.parent / "data" / "quality" / "meta.json"), reason="data/quality not built")
+def test_built_quality_corpus_fits() -> None:
+    """The GPU corpus, when built here: >= 5M training tokens, 8192 ids, <= 16 MB."""
+    folder = SCRIPTS.parent / "data" / "quality"
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["train_tokens"] >= 5_000_000 and meta["vocab_size"] == 8192
+    assert sum(p.stat().st_size for p in folder.iterdir()) <= 16_000_000
+    assert (folder / "train.bin").stat().st_size == 2 * meta["train_tokens"]

@@ -1,0 +1,163 @@
+"""Launch real torchtitan training (torchrun, gloo on CPU, FSDP2) for the integration tests.
+
+Run as a script under torchrun, this file is `dion3_titan.train` with a Trainer subclass that
+records, without changing training, what the tests assert on: each logged step's exact loss,
+the built optimizers' param groups and hooks, and a digest of the final parameters. Records go
+to `<dump_folder>/inspect/rank<r>.json`.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+@dataclass
+class TitanRun:
+    returncode: int
+    output: str  # stdout + stderr of torchrun
+    records: list[dict[str, Any]]  # one inspect record per rank (rank order)
+
+    def losses(self) -> dict[int, float]:
+        """Exact per-step losses as logged by rank 0's metrics processor."""
+        return {int(k): v for k, v in self.records[0]["losses"].items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_titan(
+    config: str | Path,
+    dump_folder: Path,
+    *overrides: str,
+    nproc: int = 2,
+    timeout: float = 300,
+) -> TitanRun:
+    """torchrun `nproc` ranks of this file with `--job.config_file config` and `overrides`."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+        "--local-ranks-filter", "0",
+        str(Path(__file__).resolve()),
+        "--job.config_file", str(config), "--job.dump_folder", str(dump_folder),
+        *overrides,
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks on a 2-core CI machine
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    records = []
+    for r in range(nproc):
+        path = dump_folder / "inspect" / f"rank{r}.json"
+        if path.exists():
+            records.append(json.loads(path.read_text()))
+    return TitanRun(proc.returncode, proc.stdout + proc.stderr, records)
+
+
+def ensure_corpus() -> Path:
+    """The small offline corpus + tokenizer at its default place (built once, ~6 s)."""
+    from dion3_titan.data.build import build, default_out, is_built, DEFAULTS
+
+    out = REPO / default_out("small")
+    if not is_built(str(out)):
+        build("small", str(out), val_percent=2.0, **DEFAULTS["small"])
+    return out
+
+
+def logged_losses(output: str) -> dict[int, float]:
+    """Losses from torchtitan's console lines ("step: 3  loss:  7.12345 ...")."""
+    clean = re.sub(r"\x1b\[[0-9;]*m", "", output)
+    return {int(s): float(l) for s, l in re.findall(r"step:\s*(\d+)\s+loss:\s*([-\d.naif]+)", clean)}
+
+
+# --------------------------------------------------------------------- inside torchrun
+def _inspecting_trainer() -> type:
+    import torch
+    from torchtitan.train import Trainer
+
+    class InspectingTrainer(Trainer):
+        def __init__(self, job_config: Any) -> None:
+            super().__init__(job_config)
+            self._record: dict[str, Any] = {
+                "rank": torch.distributed.get_rank(),
+                "optimizers": self._describe_optimizers(),
+                "losses": {},
+            }
+            log = self.metrics_processor.log
+
+            def log_and_record(step: int, loss: float, *args: Any, **kwargs: Any) -> None:
+                self._record["losses"][str(step)] = float(loss)
+                self._write()
+                log(step, loss, *args, **kwargs)
+
+            self.metrics_processor.log = log_and_record
+            self._write()
+
+        def _describe_optimizers(self) -> dict[str, Any]:
+            opts = self.optimizers
+            return {
+                "container": type(opts).__name__,
+                "pre_hooks": len(opts._optimizer_step_pre_hooks),
+                "post_hooks": len(opts._optimizer_step_post_hooks),
+                "parts": [
+                    {
+                        "class": type(o).__name__,
+                        "groups": [
+                            {
+                                "algorithm": g.get("algorithm", type(o).__name__),
+                                "names": list(g.get("names", [])),
+                                "shapes": [list(p.shape) for p in g["params"]],
+                                "lr": g["lr"],
+                                "fraction": g.get("fraction"),
+                                "flavor": g.get("flavor"),
+                            }
+                            for g in o.param_groups
+                        ],
+                    }
+                    for o in opts.optimizers
+                ],
+                # the megabatch plan: each orthogonalized matrix (or piece) and its shape
+                "plan": [
+                    {"name": m.name, "piece": None if m.layout.piece is None else
+                     [m.layout.piece.start, m.layout.piece.stop, m.layout.piece.step],
+                     "shape": list(m.layout.global_shape)}
+                    for o in opts.optimizers for sg in getattr(o, "_groups", []) for m in sg.members
+                ],
+            }
+
+        def train(self) -> None:
+            super().train()
+            # Digest of the final parameters (full tensors: a collective on every rank).
+            digest = {}
+            for model in self.model_parts:
+                for name, p in model.named_parameters():
+                    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                    digest[name] = float(full.detach().double().abs().sum())
+            self._record["param_digest"] = digest
+            self._write()
+
+        def _write(self) -> None:
+            folder = Path(self.job_config.job.dump_folder) / "inspect"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"rank{self._record['rank']}.json"
+            path.write_text(json.dumps(self._record))
+
+    return InspectingTrainer
+
+
+if __name__ == "__main__":
+    from dion3_titan.train import main
+
+    main(_inspecting_trainer())
