@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dion3_titan.kernels.backend import Backend
+from dion3_titan.kernels.triton_ops import TritonOps
 
 TILE = 128  # output tile side (square: the triangle of tiles needs square tiles)
 TILE_K = 64  # k-slice per pipeline stage
@@ -361,7 +361,7 @@ def sym_gemm(
     return out
 
 
-class CuteOps(Backend):
+class CuteOps(TritonOps):
     """Symmetric products through the CuteDSL SM90 kernel (Triton outside its limits);
     general products and the fused update as in the Triton backend."""
 
@@ -373,34 +373,13 @@ class CuteOps(Backend):
                 "backend='cute' needs nvidia-cutlass-dsl importable and a Hopper (SM90) CUDA GPU; "
                 "use backend='triton' or 'auto'"
             )
-        from dion3_titan.kernels.triton_ops import TritonOps
-
-        self._fallback = TritonOps()
-
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(a, b)
-
-    def mm_add(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
-    ) -> torch.Tensor:
-        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = sym_gemm(a, b)
-        return out if out is not None else self._fallback.sym_mm(a, b)
+        return out if out is not None else super().sym_mm(a, b)  # shapes off the tile grid
 
     def sym_addmm(
         self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
     ) -> torch.Tensor:
         out = sym_gemm(a, b, c, alpha, beta)
-        return out if out is not None else self._fallback.sym_addmm(a, b, c, alpha, beta)
-
-    def fused_update(
-        self,
-        weight: torch.Tensor,
-        update: torch.Tensor,
-        rows: torch.Tensor,
-        lr: torch.Tensor,
-        decay: torch.Tensor,
-    ) -> None:
-        self._fallback.fused_update(weight, update, rows, lr, decay)
+        return out if out is not None else super().sym_addmm(a, b, c, alpha, beta)

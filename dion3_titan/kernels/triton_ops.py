@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dion3_titan.kernels.backend import Backend
+from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
 # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)
@@ -305,29 +305,22 @@ def fused_update(
     )
 
 
-class TritonOps(Backend):
-    """Symmetric products and the fused update in Triton; general products through cuBLAS."""
+class TritonOps(TorchOps):
+    """Symmetric products and the fused update in Triton; general products (and dtypes the
+    kernels do not take) through the torch backend."""
 
     name = "triton"
 
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(a, b)
-
-    def mm_add(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
-    ) -> torch.Tensor:
-        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
-
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not self._runs(a):
-            return torch.bmm(a, b)
+            return super().sym_mm(a, b)
         return sym_gemm(a, b)
 
     def sym_addmm(
         self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
     ) -> torch.Tensor:
         if not self._runs(a):
-            return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+            return super().sym_addmm(a, b, c, alpha, beta)
         return sym_gemm(a, b, c, alpha, beta)
 
     def fused_update(

@@ -80,6 +80,16 @@ class PendingRowStats:
         return self.stats
 
 
+class _Done:
+    """A finished all-reduce (the synchronous path)."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
+
+
 def _pack(stats: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([s.reshape(-1) for s in stats])
 
@@ -120,7 +130,13 @@ def reduce_row_stats(
         buf, work = None, None
         if n == 0:
             buf = _pack([stats[j] for j in idx])
-            work = dist.all_reduce(buf, group=group, async_op=True)
+            if dist.get_backend(group) == "gloo":
+                # gloo's async work objects have been seen to abort a process at teardown
+                # ("terminate called without an active exception"); CPU runs gain no overlap
+                dist.all_reduce(buf, group=group)
+                work = _DONE
+            else:
+                work = dist.all_reduce(buf, group=group, async_op=True)
         rounds.append((group, idx, buf, work))
     return PendingRowStats(stats, rounds)
 
