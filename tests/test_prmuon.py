@@ -197,8 +197,9 @@ def test_bad_group_options_raise():
 
 
 # ------------------------------------------------------------------ sharded, on gloo ranks
-def _sharded_run(params, shapes, wrap, steps, start=0):
-    """PRMuon (K = 3) from step counter ``start``; returns the collectives of each step."""
+def _sharded_run(params, shapes, wrap, steps, start=0, byte_log=None):
+    """PRMuon (K = 3) from step counter ``start``; returns the collectives of each step (and
+    appends each step's bytes to ``byte_log``)."""
     opt = PeriodicRowwiseMuon(params, refresh_period=3, ns_dtype="float32", **HYPER)
     opt.param_groups[0][STEP_KEY] = start
     g = torch.Generator().manual_seed(5)
@@ -206,9 +207,11 @@ def _sharded_run(params, shapes, wrap, steps, start=0):
     for _ in range(steps):
         for i, (p, shape) in enumerate(zip(params, shapes)):
             p.grad = wrap(torch.randn(shape, generator=g), i)
-        before = opt.comm_stats.calls
+        before, before_bytes = opt.comm_stats.calls, opt.comm_stats.bytes
         opt.step()
         calls.append(opt.comm_stats.calls - before)
+        if byte_log is not None:
+            byte_log.append(opt.comm_stats.bytes - before_bytes)
     return calls
 
 
@@ -238,7 +241,15 @@ def _fsdp_worker(rank: int, world: int, w0: list, out_dir: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in w0]
     step_calls = _sharded_run(params, FSDP_SHAPES, lambda g, i: distribute_tensor(g, mesh, [Shard(0)]), 7)
+    # 3. bytes at realistic sizes: a RowNorm step moves column statistics, a refresh the matrices
+    big = [(512, 128), (128, 512), (4, 256, 64)]
+    gen = torch.Generator().manual_seed(9)
+    big_params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)])) for s in big]
+    byte_log: list[int] = []
+    _sharded_run(big_params, big, lambda g, i: distribute_tensor(g, mesh, [Shard(0)]), 2, byte_log=byte_log)
     result = {
+        "refresh_bytes": byte_log[0],
+        "rownorm_bytes": byte_log[1],
         "pieces": pieces,
         "rownorm_calls": len(calls),
         "step_calls": step_calls,
@@ -256,6 +267,8 @@ def test_sharded_matches_single_process_with_one_all_reduce_per_rownorm_step(tmp
 
     for rank in range(world):
         assert results[rank]["rownorm_calls"] == 1  # all tall matrices' statistics, one buffer
+        # a RowNorm step moves at most 1% of a refresh step's bytes
+        assert 0 < results[rank]["rownorm_bytes"] <= 0.01 * results[rank]["refresh_bytes"], results[rank]
     for i, full in enumerate(w0):  # concatenated shards == dense RowNorm (App. B.2, Prop. 3)
         tall = full.shape[-2] > full.shape[-1]
         pieces = [results[r]["pieces"][i] for r in range(world)]
