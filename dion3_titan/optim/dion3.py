@@ -46,6 +46,8 @@ class _GroupWork:
     ortho: torch.Tensor
     backend: Backend
     tall: bool
+
+
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
 
 
