@@ -19,7 +19,6 @@ BOS text EOS), tokenizer.json and meta.json (token counts, sources, SHA-256 of e
 """
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -32,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dion3_titan.data.build import build as build_docs  # noqa: E402
-from dion3_titan.data.build import is_built  # noqa: E402
+from dion3_titan.data.build import is_built, sha256  # noqa: E402
 from dion3_titan.data.corpus import Document, is_validation  # noqa: E402
 from dion3_titan.data.tokenizer import BOS, EOS, train_tokenizer  # noqa: E402
 
@@ -41,14 +40,6 @@ FULL = {"vocab_size": 8192, "val_percent": 2.0, "min_tokens": 5_000_000}
 TINY = {"vocab_size": 512, "val_percent": 10.0, "docs": 120}
 DEFAULT_SOURCE = os.path.join("data", "dion3_docs_large")
 COPIED = ("train.bin", "val.bin", "tokenizer/tokenizer.json")
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _source_is_valid(source: str) -> bool:

@@ -61,7 +61,7 @@ def _write_bin(path: str, tok, docs: list[Document]) -> int:
     return len(ids)
 
 
-def _sha256(path: str) -> str:
+def sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -110,7 +110,7 @@ def build(size: str, out: str, vocab_size: int, val_percent: float, min_tokens: 
             "train_chars": sum(len(d.text) for d in train),
             "python": platform.python_version(),
             "packages": package_versions() if size == "large" else {},
-            "sha256": {n: _sha256(os.path.join(tmp, n)) for n in names},
+            "sha256": {n: sha256(os.path.join(tmp, n)) for n in names},
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
