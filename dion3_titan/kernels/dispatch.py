@@ -16,21 +16,19 @@ from dion3_titan.kernels.backend import Backend
 BACKENDS: tuple[str, ...] = ("torch", "triton", "cute")
 PREFERENCES: tuple[str, ...] = ("auto",) + BACKENDS
 
-# Measured on a GPU machine (NVIDIA H200, torch 2.11 cu13, triton 3.6, 2026-11-30;
-# scripts/bench_orthogonalize.py, medians in ms, Gram NS, polar-express coefficients, fp16):
-#   shape            torch   cute   triton*   gram-newton-schulz 0.1.6 (quack)
-#   32x2048x7168     30.2    23.1   100.4     21.9
-#   1x7168x18432     30.9    21.2   126.5     19.5
-#   4x4096x11008     23.9    18.6    92.2     16.7
-#   8x4096x4096      37.2    23.3   174.2     19.5   (square; plain Muon NS5 bf16: 27.3)
-#   24x1024x4096      3.88    3.28   11.4      3.27
-#   4x1024x11008      1.28    1.28    3.53     1.89
-#   64x256x1024       0.47     -      1.00  (crossover runs: torch vs triton only)
-# * the Triton symmetric GEMM as measured loaded an n-major second operand (R @ R) with scalar
-#   2-byte loads; fixed since (16-byte async copies for both layouts, checked in the compiled
-#   PTX) but not re-measured, so "auto" does not pick Triton until it is (docs/kernels.md).
-# CuteDSL wins from n = 1024 on (ties at 4x1024x11008); below that the torch path is kept.
-CUTE_MIN_N: int = 1024
+# Measured on a GPU machine (NVIDIA H200, torch 2.11 cu13, triton 3.6, 2026-11-30, one run of
+# scripts/bench_orthogonalize.py; medians in ms, fp16, polar-express; docs/benchmarks.md):
+#   shape            Gram torch  Gram Triton  Gram CuteDSL  standard Triton
+#   32x2048x7168     29.02       21.69        22.06         33.44
+#   1x7168x18432     27.44       21.50        20.52         29.79
+#   4x4096x11008     22.90       16.85        16.69         24.07
+#   8x4096x4096      33.84       22.40        22.82         21.82   (square: standard NS)
+#   24x1024x4096      3.79        3.02         3.22          4.80
+#   4x1024x11008      1.24        1.24         1.27          2.20
+#   crossover (Gram NS torch / Triton): 64x256x1024 0.61/0.72, 32x512x2048 0.98/0.86
+# So: torch below a Gram side of 512, Triton from 512, CuteDSL only for rectangular stacks with a
+# Gram side of 4096 or more (where it was ahead); square stacks (standard NS) stay on Triton.
+CUTE_MIN_N: int = 4096
 CUTE_TILE: int = 128  # the CuteDSL kernel needs n % 128 == 0 (else it hands over to Triton)
 # Rows/columns must be a multiple of this for the fast paths: 16-byte (8 x fp16) vector loads.
 ALIGN: int = 8
@@ -71,10 +69,9 @@ def select_backend(
     """Backend for orthogonalizing a (batch, n, m) stack in ``dtype`` on ``device``.
 
     An explicit name is honoured as is. "auto": CPU or a dtype other than fp16/bf16 -> torch;
-    CuteDSL on an SM90 GPU when the Gram side min(n, m) is >= CUTE_MIN_N and a multiple of 128
-    (measured faster than cuBLAS there, table above); else Triton from a Gram side of
-    TRITON_MIN_N (H200, 2026-11-30, Gram NS ms torch/Triton: 64x256x1024 0.61/0.72,
-    32x512x2048 0.98/0.86, 16x1024x4096 2.55/2.11, 32x2048x7168 29.0/21.7); otherwise torch.
+    CuteDSL on an SM90 GPU for a rectangular stack whose Gram side min(n, m) is >= CUTE_MIN_N
+    and a multiple of 128; else Triton from a Gram side of TRITON_MIN_N; otherwise torch
+    (measurements above).
     """
     if preference != "auto":
         if preference not in BACKENDS:
@@ -85,7 +82,7 @@ def select_backend(
     side = min(n, m)
     if device.type != "cuda" or dtype not in _HALF:
         return get_backend("torch")
-    if side >= CUTE_MIN_N and side % CUTE_TILE == 0 and max(n, m) % ALIGN == 0 and cute_available():
+    if n != m and side >= CUTE_MIN_N and side % CUTE_TILE == 0 and max(n, m) % ALIGN == 0 and cute_available():
         return get_backend("cute")
     if side >= TRITON_MIN_N:
         return get_backend("triton")
