@@ -206,14 +206,11 @@ CHECKPOINT_CASES = [
     ("normuon", 0.25, torch.bfloat16, "l1"),
     ("muon", 0.25, torch.float32, "random"),
 ]
-# KNOWN BUG (reported, not fixed here): random selection's generator state is not part of the
-# optimizer state, so a resumed run re-draws from the seed. Strict: passes -> remove the mark.
-_RANDOM_RESUME = pytest.mark.xfail(strict=True, reason="random-selection generator state is not checkpointed")
 
 
 @pytest.mark.parametrize(
     "flavor,fraction,dtype,selection",
-    [pytest.param(*c, marks=_RANDOM_RESUME if c[3] == "random" else ()) for c in CHECKPOINT_CASES],
+    [pytest.param(*c) for c in CHECKPOINT_CASES],
     ids=["-".join(map(str, c)).replace("torch.", "") for c in CHECKPOINT_CASES],
 )
 def test_state_dict_resume_is_bit_exact(flavor, fraction, dtype, selection):

@@ -116,7 +116,7 @@ class Dion3(torch.optim.Optimizer):
             else None
             for cfg in self._configs
         ]
-        self._generator: torch.Generator | None = None
+        self._rngs: dict[int, torch.Generator] = {}  # param group -> random selection
         self._ns_bad_count: torch.Tensor | None = None
         self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]
         self._state_version = 0
@@ -257,6 +257,7 @@ class Dion3(torch.optim.Optimizer):
         before any update, so one host check covers the whole step's NS results."""
         if self._step_t is not None:
             self._step_t += 1
+        self._seed_random_selection(groups)
         self._accumulate(groups)
         work = [self._orthogonalize_group(sg) for sg in groups]
         if work:
@@ -405,7 +406,7 @@ class Dion3(torch.optim.Optimizer):
         device = views[0].device
         n_rb, r_max = len(sg.block_rows), max(sg.block_rows)
         if cfg.selection == "random":  # same draws on every rank: a global score table
-            scores = torch.rand(sg.batch, n_rb, r_max, device=device, generator=self._rng(device))
+            scores = torch.rand(sg.batch, n_rb, r_max, device=device, generator=self._rngs[sg.group_index])
         else:
             local = torch.cat([l1_scores(v) for v in views])
             if sg.col_blocks > 1 or (cfg.selection_scope == "global" and n_rb > 1):
@@ -434,11 +435,26 @@ class Dion3(torch.optim.Optimizer):
         steps, skipped in captured ones). Reading it synchronizes."""
         return 0 if self._ns_bad_count is None else int(self._ns_bad_count)
 
-    def _rng(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.defaults["seed"])
-        return self._generator
+    def _seed_random_selection(self, groups: list[ShapeGroup]) -> None:
+        """``selection = "random"``: each step's draws come from a generator seeded by (seed,
+        step), the step counted in the param group, so a resumed run draws what the
+        uninterrupted one would have (param groups are checkpointed)."""
+        for gi in sorted({sg.group_index for sg in groups}):
+            cfg, group = self._configs[gi], self.param_groups[gi]
+            if cfg.selection != "random":
+                continue
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise ValueError(
+                    "selection='random' cannot run inside a captured CUDA graph (its seed changes "
+                    "every step); use selection='l1' or cuda_graph=false"
+                )
+            step = group.setdefault("selection_step", 0)
+            device = to_local(group["params"][0]).device
+            gen = self._rngs.get(gi)
+            if gen is None or gen.device != device:
+                gen = self._rngs[gi] = torch.Generator(device=device)
+            gen.manual_seed(cfg.seed * 1_000_003 + step)
+            group["selection_step"] = step + 1
 
     def _adamw_step(self, gi: int, group: dict) -> None:
         params, grads, avgs, sqs, steps = [], [], [], [], []
