@@ -55,6 +55,13 @@ def _source_is_valid(source: str) -> bool:
     return all(sha256(os.path.join(source, n)) == meta["sha256"].get(n) for n in COPIED)
 
 
+def _publish(tmp: str, out: str, meta: dict) -> None:
+    """Record the files' checksums in meta.json, then move the finished folder into place."""
+    meta["sha256"] = {n: sha256(os.path.join(tmp, n)) for n in ("train.bin", "val.bin", "tokenizer.json")}
+    _write_json(os.path.join(tmp, "meta.json"), meta)
+    _finish(tmp, out)
+
+
 def _finish(tmp: str, out: str) -> None:
     """Check the size budget, then move the finished folder into place (never half-written)."""
     total = sum(os.path.getsize(os.path.join(tmp, n)) for n in os.listdir(tmp))
@@ -89,10 +96,8 @@ def build_full(out: str, source: str = DEFAULT_SOURCE) -> dict:
             "builder": "dion3_titan.data.build (size=large)",
             **{k: v for k, v in src_meta.items() if k != "sha256"},
             "dtype": "uint16",
-            "sha256": {n: sha256(os.path.join(tmp, n)) for n in ("train.bin", "val.bin", "tokenizer.json")},
         }
-        _write_json(os.path.join(tmp, "meta.json"), meta)
-        _finish(tmp, out)
+        _publish(tmp, out, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -141,10 +146,8 @@ def build_tiny(out: str, n_docs: int = TINY["docs"], vocab_size: int = TINY["voc
             "train_tokens": n_train,
             "val_tokens": n_val,
             "dtype": "uint16",
-            "sha256": {n: sha256(os.path.join(tmp, n)) for n in ("train.bin", "val.bin", "tokenizer.json")},
         }
-        _write_json(os.path.join(tmp, "meta.json"), meta)
-        _finish(tmp, out)
+        _publish(tmp, out, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
