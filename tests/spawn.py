@@ -2,6 +2,7 @@
 
 import os
 import socket
+import sys
 import traceback
 
 import torch.distributed as dist
@@ -24,11 +25,17 @@ def _entry(rank: int, world: int, port: int, fn, args, errors, backend: str) -> 
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(1)
+    # Leave without running C++ static destructors: gloo's background threads have been seen to
+    # abort a finished process there ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(world: int, fn, *args, backend: str = "gloo") -> None:
