@@ -1,7 +1,8 @@
 """Let torchtitan 0.2.2 train on CPU (gloo) when no accelerator is present.
 
 torchtitan assumes a CUDA-like device. Each shim below fixes one thing that breaks on a
-CPU-only machine; `apply()` is called by `dion3_titan.train` only when no accelerator exists.
+CPU-only machine (the sixth only matters for FlexAttention models such as gpt_oss);
+`apply()` is called by `dion3_titan.train` only when no accelerator exists.
 """
 
 import importlib
@@ -127,6 +128,45 @@ def _moe_permute_indices_cpu() -> None:
     moe_utils.generate_permute_indices = generate_on_cpu
 
 
+def _flex_attention_dense() -> None:
+    """Shim 6. FlexAttention (gpt_oss's attention, with sliding windows and sinks) refuses
+    backward on CPU. For CPU inputs, compute the same function densely: the block mask's
+    `mask_mod` evaluated on the full (query, key) grid, softmax in (at least) float32, and the log-sum-exp
+    the sinks need. Memory is O(seq_len²) per head, fine for CPU debug models."""
+    from torch.nn.attention.flex_attention import create_mask
+    from torchtitan.models.attention import FlexAttentionWrapper
+
+    flex = FlexAttentionWrapper._compiled_flex_attn
+    if getattr(flex, "_dion3_shim", False):
+        return
+
+    def flex_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any = None,
+                           scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                           **kwargs: Any) -> Any:
+        if q.device.type != "cpu":
+            return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                        return_lse=return_lse, **kwargs)
+        if kwargs.get("score_mod") is not None:
+            raise NotImplementedError("dion3_titan CPU shim: FlexAttention score_mod is not supported on CPU")
+        batch, heads, q_len, head_dim = q.shape
+        if enable_gqa and k.shape[1] != heads:
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        acc = torch.promote_types(q.dtype, torch.float32)  # at least float32 softmax
+        scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * (head_dim**-0.5 if scale is None else scale)
+        if block_mask is not None:
+            mask = create_mask(block_mask.mask_mod, batch, heads, q_len, k.shape[-2], device=q.device)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        # Rows with no visible key: FlexAttention returns zeros (and lse = -inf).
+        probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
+        out = (probs @ v.to(acc)).to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    flex_attention_cpu._dion3_shim = True  # type: ignore[attr-defined]
+    FlexAttentionWrapper._compiled_flex_attn = flex_attention_cpu
+
+
 _applied = False
 
 
@@ -139,4 +179,5 @@ def apply() -> None:
     _fsdp_sum_reductions()
     _histc_integers()
     _moe_permute_indices_cpu()
+    _flex_attention_dense()
     _applied = True

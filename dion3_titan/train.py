@@ -42,6 +42,7 @@ def main(trainer_class: type[Any] | None = None) -> None:
     plugin.register()
     check_optimizer_config(sys.argv[1:])
     _release_graphs_before_teardown()
+    _initialize_router_bias()
     titan_main(trainer_class or Trainer)
 
 
@@ -62,6 +63,25 @@ def _release_graphs_before_teardown() -> None:
 
     destroy_after_release._dion3 = True  # type: ignore[attr-defined]
     dist.destroy_process_group = destroy_after_release
+
+
+def _initialize_router_bias() -> None:
+    """torchtitan 0.2.2's MoE router initializes its gate weight but not the gate bias
+    (`gate_bias = true`, as in gpt_oss), which keeps whatever memory it was given -- NaN at
+    times, and then every loss is NaN. Zero it after the weight's own initialization."""
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+    init = TokenChoiceTopKRouter.init_weights
+    if getattr(init, "_dion3", False):
+        return
+
+    def init_weights(self, init_std: float) -> None:
+        init(self, init_std)
+        if self.gate.bias is not None:
+            torch.nn.init.zeros_(self.gate.bias)
+
+    init_weights._dion3 = True  # type: ignore[attr-defined]
+    TokenChoiceTopKRouter.init_weights = init_weights  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
