@@ -25,9 +25,24 @@ PNG_STEP = "loss_vs_step.png"
 PNG_TIME = "loss_vs_opt_time.png"
 
 
-def load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+def load(*paths: str) -> dict:
+    """One report from one or more quality.json files of the same setup (e.g. the runs split
+    over several GPUs): the first file's meta, every file's runs, in order."""
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            reports.append(json.load(f))
+    merged = reports[0]
+    for other in reports[1:]:
+        clash = merged["runs"].keys() & other["runs"].keys()
+        if clash:
+            raise ValueError(f"runs {sorted(clash)} appear in more than one JSON")
+        if other["meta"]["model"] != merged["meta"]["model"] or other["meta"]["args"]["steps"] != merged["meta"]["args"]["steps"]:
+            raise ValueError("the JSONs come from different setups (model or steps differ)")
+        merged["runs"].update(other["runs"])
+        merged["meta"]["argv_parts"] = merged["meta"].get("argv_parts", [merged["meta"]["argv"]]) + [other["meta"]["argv"]]
+        merged["meta"]["total_wall_s"] = max(merged["meta"].get("total_wall_s", 0), other["meta"].get("total_wall_s", 0))
+    return merged
 
 
 def finished(report: dict) -> list[tuple[str, dict]]:
@@ -146,10 +161,10 @@ def setup_text(report: dict) -> str:
         f"{m['train_tokens_per_run']:,} tokens per run ({m['epochs_per_run']} epochs), bf16 autocast, "
         f"grad clip {a['grad_clip']}, same init and data order (seed {a['seed']}) for every run.",
         f"- Schedule: {m['schedule']}; warmup {a['warmup']} steps.",
-        f"- Matrix optimizers: base lr {a['matrix_lr']:g} (× √(d_out/d_in) in Dion3/PRMuon), momentum "
-        f"{a['momentum']}, weight decay {a['matrix_weight_decay']}, Dion3 flavor {a['flavor']}; "
+        f"- Matrix optimizers: base lr per run (column \"peak lr\"; × √(d_out/d_in) except in torch.optim.Muon), "
+        f"momentum {a['momentum']}, weight decay {a['matrix_weight_decay']}; "
         f"embeddings/head/norms: AdamW lr {a['scalar_lr']:g}, β=(0.9, 0.95), no weight decay. "
-        f"AdamW runs: weight decay {a['adamw_weight_decay']} on matrices only. Muon baseline: {m['muon_impl']}.",
+        f"AdamW runs: weight decay {a['adamw_weight_decay']} on matrices only.",
         f"- Validation every {a['eval_every']} steps on the same {m['val_tokens']:,} held-out tokens. "
         f"Step-time medians skip each run's first 5 steps.",
     ])
@@ -175,7 +190,7 @@ def markdown(report: dict, template: str, image_prefix: str) -> str:
         "date": m["date_utc"],
         "card": m["device"],
         "software": f"torch {m['torch']}, Python {m['python']}, commit {m.get('git_commit') or 'unknown'}",
-        "argv": "`python " + " ".join(m["argv"]) + "`",
+        "argv": " and ".join("`python " + " ".join(argv) + "`" for argv in m.get("argv_parts", [m["argv"]])),
         "runtime": f"{m.get('total_wall_s', 0):.0f} s for all runs (calibration: {m.get('calibration')})",
         "setup": setup_text(report),
         "table": results_table(report),
@@ -187,15 +202,15 @@ def markdown(report: dict, template: str, image_prefix: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("json", help="quality.json written by scripts/quality_run.py")
+    p.add_argument("json", nargs="+", help="quality.json file(s) written by scripts/quality_run.py (merged)")
     p.add_argument("--out", help="folder for the PNGs (default: the JSON's folder)")
     p.add_argument("--no-plots", action="store_true", help="markdown only (no matplotlib needed)")
     p.add_argument("--markdown", help="write the filled results page here")
     p.add_argument("--template", default=DEFAULT_TEMPLATE, help="page with BEGIN/END blocks")
     p.add_argument("--image-prefix", default="quality/", help="path of the PNGs as linked from the page")
     a = p.parse_args(argv)
-    report = load(a.json)
-    out = a.out or os.path.dirname(os.path.abspath(a.json))
+    report = load(*a.json)
+    out = a.out or os.path.dirname(os.path.abspath(a.json[0]))
     if not a.no_plots:
         os.makedirs(out, exist_ok=True)
         for path in plot(report, out):

@@ -1,14 +1,17 @@
 """Training-quality evidence on one GPU (issue 9): the same llama3-style model, data order,
 initial weights and LR schedule for every optimizer, run one after another.
 
-Runs (in this order; ``--runs`` picks a subset by name):
+Runs (in this order; ``--runs`` picks a subset by name prefix):
   adamw_lr<η>        AdamW on every parameter, at each lr of ``--adamw-lrs``
-  muon_torch         torch.optim.Muon on the block matrices (when the torch build has it; else
-                     ``muon_dion3`` = our Dion3 with f=1, standard NS, Muon's quintic)
+then for each base lr of ``--matrix-lrs`` (suffix ``_lr<η>`` when there are several):
+  muon_torch         torch.optim.Muon (its own conventions: Nesterov, lr x sqrt(max(1, out/in)))
+  muon_plain         the Muon baseline: every row, standard NS5 with Muon's quintic, lr x
+                     sqrt(out/in) (our engine; tests/test_dion3_core.py holds it to a textbook Muon)
   dion3_f1_standard  Dion3 f=1, standard NS (Polar Express coefficients, our default)
   dion3_f1_gram      Dion3 f=1, Gram NS
   dion3_f0.25        Dion3 f=1/4, lr transfer η/√f (our default), NS algorithm "auto"
-  prmuon             Periodic Row-wise Muon (dion3_titan.optim.prmuon), when importable
+  normuon_plain, dion3n_*   the same four with the NorMuon flavor (the paper's main setting)
+  prmuon             Periodic Row-wise Muon (dion3_titan.optim.prmuon)
 Block matrices go to the orthogonalizing optimizer through ``routing.build_param_groups``;
 embeddings, the output head and norms to AdamW (``--scalar-lr``, no weight decay; App. D.1).
 
@@ -322,7 +325,7 @@ def make_optimizer(spec: RunSpec, model: nn.Module, args: argparse.Namespace, fu
     )
     common = {"momentum": args.momentum, "weight_decay": args.matrix_weight_decay, **spec.options}
     if spec.kind == "dion3":
-        opt = Dion3(groups, lr=spec.lr, flavor=args.flavor, **common)
+        opt = Dion3(groups, lr=spec.lr, **common)
         if args.cuda_graph and torch.cuda.is_available():
             from dion3_titan.optim.cuda_graph import GraphedOptimizer
 
@@ -345,23 +348,33 @@ def prmuon_available() -> str | None:
 
 
 def default_runs(args: argparse.Namespace) -> list[RunSpec]:
+    """Every run, in order. Each orthogonalizing run is repeated per ``--matrix-lrs`` value
+    (names get an ``_lr`` suffix when there are several); ``--runs`` picks by name prefix."""
     runs = [RunSpec(f"adamw_lr{lr:g}", "adamw", lr, label=f"AdamW, lr {lr:g}") for lr in args.adamw_lrs]
-    if hasattr(torch.optim, "Muon"):
-        label = "torch.optim.Muon (Nesterov, NS5 Muon quintic, lr x sqrt(max(1, out/in)))"
-        runs.append(RunSpec("muon_torch", "torch_muon", args.matrix_lr, label=label))
-    else:  # plain Muon through our engine: every row, standard NS, Muon's fixed quintic
-        muon = {"fraction": 1.0, "ns_algorithm": "standard", "ns_coefficients": "muon"}
-        runs.append(RunSpec("muon_dion3", "dion3", args.matrix_lr, muon, "Muon = Dion3 f=1, standard NS, Muon quintic"))
     f = args.fraction
-    runs += [
-        RunSpec("dion3_f1_standard", "dion3", args.matrix_lr, {"fraction": 1.0, "ns_algorithm": "standard"},
-                f"Dion3 ({args.flavor}) f=1, standard NS, Polar Express"),
-        RunSpec("dion3_f1_gram", "dion3", args.matrix_lr, {"fraction": 1.0, "ns_algorithm": "gram"},
-                f"Dion3 ({args.flavor}) f=1, Gram NS, Polar Express"),
-        RunSpec(f"dion3_f{f:g}", "dion3", args.matrix_lr, {"fraction": f},
-                f"Dion3 ({args.flavor}) f={f:g}, lr/sqrt(f), NS auto"),
-        RunSpec("prmuon", "prmuon", args.matrix_lr, label="Periodic Row-wise Muon (defaults: K=3, gamma=0.15, NS5)"),
-    ]
+    plain = {"fraction": 1.0, "ns_algorithm": "standard", "ns_coefficients": "muon"}
+    several = len(args.matrix_lrs) > 1
+    for lr in args.matrix_lrs:
+        tag = f"_lr{lr:g}" if several else ""
+        if hasattr(torch.optim, "Muon"):
+            runs.append(RunSpec(f"muon_torch{tag}", "torch_muon", lr,
+                                label="torch.optim.Muon (Nesterov, NS5 Muon quintic, lr x sqrt(max(1, out/in)))"))
+        for flavor, prefix in (("muon", "dion3"), ("normuon", "dion3n")):
+            name = flavor.capitalize().replace("Normuon", "NorMuon")
+            runs += [
+                # The baseline: the textbook rule (tests/test_dion3_core.py checks our engine
+                # at f=1 against it step by step) with Muon's own NS5 and lr rule sqrt(out/in).
+                RunSpec(f"{flavor}_plain{tag}", "dion3", lr, {**plain, "flavor": flavor},
+                        f"{name}: every row, standard NS5 with Muon's quintic, lr x sqrt(out/in)"),
+                RunSpec(f"{prefix}_f1_standard{tag}", "dion3", lr,
+                        {"fraction": 1.0, "ns_algorithm": "standard", "flavor": flavor},
+                        f"Dion3 ({flavor}) f=1, standard NS, Polar Express"),
+                RunSpec(f"{prefix}_f1_gram{tag}", "dion3", lr, {"fraction": 1.0, "ns_algorithm": "gram", "flavor": flavor},
+                        f"Dion3 ({flavor}) f=1, Gram NS, Polar Express"),
+                RunSpec(f"{prefix}_f{f:g}{tag}", "dion3", lr, {"fraction": f, "flavor": flavor},
+                        f"Dion3 ({flavor}) f={f:g}, lr/sqrt(f), NS auto"),
+            ]
+        runs.append(RunSpec(f"prmuon{tag}", "prmuon", lr, label="Periodic Row-wise Muon (defaults: K=3, gamma=0.15, NS5)"))
     if args.runs:
         wanted = args.runs.split(",")
         runs = [r for r in runs if any(r.name.startswith(w) for w in wanted)]
@@ -559,12 +572,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--val-tokens", type=int, help="validation tokens, a cap (gpu 262144, tiny 64)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--runs", help="comma-separated name prefixes of the runs to do (default all)")
-    p.add_argument("--adamw-lrs", type=lambda s: [float(v) for v in s.split(",")], default=[1.5e-3, 3e-3, 6e-3])
+    p.add_argument("--adamw-lrs", type=lambda s: [float(v) for v in s.split(",")], default=[5e-4, 1e-3, 1.5e-3])
     p.add_argument("--adamw-weight-decay", type=float, default=0.1, help="AdamW runs, matrices only")
-    p.add_argument("--matrix-lr", type=float, default=0.02, help="base lr of the orthogonalized matrices")
+    p.add_argument("--matrix-lrs", type=lambda s: [float(v) for v in s.split(",")], default=[0.02],
+                   help="base lr(s) of the orthogonalized matrices; every Muon-family run per value")
     p.add_argument("--matrix-weight-decay", type=float, default=0.01, help="App. D.1")
     p.add_argument("--momentum", type=float, default=0.95)
-    p.add_argument("--flavor", choices=("muon", "normuon"), default="muon", help="Dion3 runs' flavor")
     p.add_argument("--fraction", type=float, default=0.25, help="f of the compressed Dion3 run")
     p.add_argument("--scalar-lr", type=float, default=3e-3, help="AdamW lr of embeddings/head/norms in non-AdamW runs")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip, 0 = off")
@@ -643,7 +656,6 @@ def run_all(args: argparse.Namespace, argv: list[str] | None) -> dict:
             "val_tokens": sum(y.numel() for _, y in val),
             "flops_per_step": 6 * params["total"] * tokens_per_step,
             "corpus": {k: v for k, v in corpus.items() if k != "sha256"},
-            "muon_impl": "torch.optim.Muon" if hasattr(torch.optim, "Muon") else "dion3(f=1, standard, muon)",
             "calibration": calibration,
             "schedule": "linear warmup, constant, linear cooldown over the last "
             f"{args.cooldown_frac:.0%} to x{args.final_lr_frac:g}",

@@ -41,9 +41,10 @@ def test_every_run_has_finite_losses(tiny_report: tuple[dict, Path]) -> None:
         saved = json.load(f)
     assert saved["runs"].keys() == report["runs"].keys()
     names = set(saved["runs"])
-    expected = {"adamw_lr0.0015", "adamw_lr0.003", "adamw_lr0.006", "dion3_f1_standard", "dion3_f1_gram", "dion3_f0.25", "prmuon"}
+    expected = {"adamw_lr0.0005", "adamw_lr0.001", "adamw_lr0.0015", "muon_plain", "dion3_f1_standard",
+                "dion3_f1_gram", "dion3_f0.25", "normuon_plain", "dion3n_f1_standard", "dion3n_f1_gram",
+                "dion3n_f0.25", "prmuon"}
     assert expected <= names
-    assert "muon_torch" in names or "muon_dion3" in names
     steps = saved["meta"]["args"]["steps"]
     for name, run in saved["runs"].items():
         assert run["status"] == "ok", (name, run["status"])
@@ -90,3 +91,26 @@ def test_built_quality_corpus_fits() -> None:
     assert meta["train_tokens"] >= 5_000_000 and meta["vocab_size"] == 8192
     assert sum(p.stat().st_size for p in folder.iterdir()) <= 16_000_000
     assert (folder / "train.bin").stat().st_size == 2 * meta["train_tokens"]
+
+
+def test_lr_sweep_names_and_merged_reports(tiny_report: tuple[dict, Path], tmp_path: Path) -> None:
+    q = load_script("quality_run")
+    args = q.parse_args(["--tiny", "--out", str(tmp_path), "--matrix-lrs", "0.01,0.04", "--runs", "muon_plain,dion3n_f0.25"])
+    assert [(r.name, r.lr) for r in q.default_runs(args)] == [
+        ("muon_plain_lr0.01", 0.01), ("dion3n_f0.25_lr0.01", 0.01), ("muon_plain_lr0.04", 0.04), ("dion3n_f0.25_lr0.04", 0.04)]
+    assert q.default_runs(args)[1].options == {"fraction": 0.25, "flavor": "normuon"}
+
+    # runs split over two JSONs (two GPUs) plot as one report; a run in both is refused
+    _, out = tiny_report
+    report = json.loads((out / "quality.json").read_text())
+    names = list(report["runs"])
+    halves = []
+    for i, part in enumerate((names[:3], names[3:])):
+        half = {"meta": {**report["meta"], "argv": [f"part{i}"]}, "runs": {n: report["runs"][n] for n in part}}
+        halves.append(tmp_path / f"q{i}.json")
+        halves[-1].write_text(json.dumps(half))
+    plot = load_script("plot_quality")
+    merged = plot.load(*map(str, halves))
+    assert list(merged["runs"]) == names and merged["meta"]["argv_parts"] == [["part0"], ["part1"]]
+    with pytest.raises(ValueError, match="more than one JSON"):
+        plot.load(str(halves[0]), str(halves[0]))

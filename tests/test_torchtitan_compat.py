@@ -1,6 +1,7 @@
 """Dion3 with torchtitan's activation checkpointing and torch.compile (wrapped parameter names:
-`_checkpoint_wrapped_module.`, `_orig_mod.`), and with gradient accumulation: real training on
-2 gloo ranks, llama3 debug."""
+`_checkpoint_wrapped_module.`, `_orig_mod.`), with gradient accumulation, and with float8 linears
+whose FSDP all-gather runs in float8 (emulated float8 matmuls on CPU; tests/gpu has the real
+ones): real training on 2 gloo ranks, llama3 debug."""
 
 from pathlib import Path
 
@@ -46,3 +47,25 @@ def test_gradient_accumulation_steps_once_per_global_step(tmp_path: Path) -> Non
 
     ages = [float(m) for m in re.findall(r"oldest_unselected=([0-9.]+)", run.output)]
     assert ages and max(ages) <= 3, ages
+
+
+FLOAT8 = ("--model.converters", "quantize.linear.float8",
+          "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+          "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+          "--quantize.linear.float8.filter_fqns", "output")
+
+
+def test_float8_linears_with_float8_all_gather(tmp_path: Path) -> None:
+    pytest.importorskip("torchao")
+    ensure_corpus()
+    run = run_titan(CONFIGS / "llama3_debug_dion3.toml", tmp_path, "--training.steps", "4", *SHORT, *FLOAT8,
+                    "--quantize.linear.float8.emulate")
+    assert run.returncode == 0, run.output[-4000:]
+    assert "Swapped to Float8Linear layers with enable_fsdp_float8_all_gather=True" in run.output
+    losses = run.losses()
+    assert losses[4] < losses[1], losses
+    record = run.records[0]
+    assert record["optimizers"]["post_hooks"] >= 1  # torchtitan's float8 scale precompute
+    g = _groups(record)
+    assert len(g["dion3"]["names"]) == 6 * 7
+    assert g["dion3"]["local_classes"] == ["WeightWithDynamicFloat8CastTensor"]

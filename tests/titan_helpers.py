@@ -119,6 +119,9 @@ def _inspecting_trainer() -> type:
                                 "algorithm": g.get("algorithm", type(o).__name__),
                                 "names": list(g.get("names", [])),
                                 "shapes": [list(p.shape) for p in g["params"]],
+                                # class of each parameter's local tensor (float8 weights wrap theirs)
+                                "local_classes": sorted({type(p.to_local() if hasattr(p, "to_local") else p).__name__
+                                                         for p in g["params"]}),
                                 "lr": g["lr"],
                                 "fraction": g.get("fraction"),
                                 "flavor": g.get("flavor"),

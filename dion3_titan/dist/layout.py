@@ -26,7 +26,27 @@ def _is_shard(placement) -> bool:
 
 
 def to_local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
+    """The plain local tensor behind a parameter, gradient or state tensor: a DTensor's shard,
+    and inside it the tensor a wrapper subclass holds (torchao's float8 training weights wrap
+    their high-precision weight), so kernels see real storage and in-place updates land in
+    the parameter."""
+    if is_dtensor(t):
+        t = t.to_local()
+    return _unwrapped(t)
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return t
+    names, _ = t.__tensor_flatten__()
+    inner = [getattr(t, n) for n in names]
+    same = [x for x in inner if x.shape == t.shape and x.dtype == t.dtype]
+    if len(same) != 1:
+        raise TypeError(
+            f"dion3: parameter of tensor subclass {type(t).__name__} does not wrap exactly one tensor of its "
+            "own shape and dtype; the optimizer cannot update it in place"
+        )
+    return _unwrapped(same[0])
 
 
 @dataclass(frozen=True)
@@ -248,6 +268,20 @@ def describe(param: torch.Tensor, selection_dim: str, piece: slice | None = None
         piece_global, piece_local, row_dim, tuple(shards), tuple(replicas), mesh,
         piece=piece, local_piece=local_piece, row_counts=counts, piece_chunked=chunked,
     )
+
+
+def zeros_like_param(param: torch.Tensor) -> torch.Tensor:
+    """A zero state tensor laid out like ``param`` (a DTensor for a DTensor), always of plain
+    tensors: a wrapper-subclass weight (float8 training) does not make its state a subclass."""
+    local = param.to_local() if is_dtensor(param) else param
+    plain = _unwrapped(local)
+    if plain is local:
+        return torch.zeros_like(param)
+    zeros = torch.zeros_like(plain)
+    if not is_dtensor(param):
+        return zeros
+    return DTensor.from_local(zeros, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def row_state(param: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:

@@ -40,7 +40,8 @@ class GraphedOptimizer:
         self._eager_steps = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self._stream: torch.cuda.Stream | None = None
-        self._grads: list[torch.Tensor] = []
+        self._grads: list[torch.Tensor] = []  # local tensors the graph reads
+        self._grad_objects: list[torch.Tensor] = []  # the .grad objects they came from
         self._params: list[torch.Tensor] = []
         self._version = None
         self.captured_comm: tuple[int, int] | None = None
@@ -49,11 +50,15 @@ class GraphedOptimizer:
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
 
-    def _signature(self):
+    def _signature(self) -> tuple:
+        """What a captured step bakes in: the state tensors (``state_version``; Dion3 refuses
+        new param groups after construction) and the AdamW constants read as Python floats."""
         opt = self.optimizer
-        return (opt.state_version, tuple(id(p) for g in opt.param_groups for p in g["params"]))
+        return (opt.state_version, *((g["weight_decay"], g["eps"], *g["betas"]) for g in opt.param_groups if "betas" in g))
 
     def step(self, closure=None):
+        # The replay path is the hot path: a handful of Python comparisons, one small host-to-
+        # device copy when lr or weight decay changed, and the graph launch.
         if closure is not None:
             raise ValueError("GraphedOptimizer.step does not take a closure: compute the loss and gradients before step()")
         if self._graph is not None and self._version != self._signature():
@@ -90,6 +95,7 @@ class GraphedOptimizer:
             )
         self._params = params
         self._grads = [to_local(p.grad) for p in params]
+        self._grad_objects = [p.grad for p in params]
         opt.load_hyperparameters()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -104,21 +110,25 @@ class GraphedOptimizer:
         self._version = self._signature()
 
     def _refresh_grads(self) -> None:
+        grads = [p.grad for p in self._params]
+        if all(g is held for g, held in zip(grads, self._grad_objects)):
+            return  # the usual case: gradients were written in place (zero_grad keeps them)
         stale_dst, stale_src = [], []
-        for p, held in zip(self._params, self._grads):
-            g = to_local(p.grad)
-            if g.data_ptr() != held.data_ptr():
+        for g, held in zip(grads, self._grads):
+            local = to_local(g)
+            if local.data_ptr() != held.data_ptr():
                 stale_dst.append(held)
-                stale_src.append(g)
+                stale_src.append(local)
         if stale_dst:
             torch._foreach_copy_(stale_dst, stale_src)
+        self._grad_objects = grads
 
     def release(self) -> None:
         """Free the graph (before the process group it captured collectives on goes away)."""
         if self._graph is not None:
             torch.cuda.synchronize()
             self._graph = None
-            self._grads, self._params = [], []
+            self._grads, self._grad_objects, self._params = [], [], []
 
     def state_dict(self):
         return self.optimizer.state_dict()

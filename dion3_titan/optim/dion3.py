@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.optim.adamw import adamw
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
-from dion3_titan.dist.layout import describe, row_state, to_local
+from dion3_titan.dist.layout import describe, row_state, to_local, zeros_like_param
 from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim.config import Dion3Config
@@ -46,6 +46,7 @@ class _GroupWork:
     ortho: torch.Tensor
     backend: Backend
     tall: bool
+    every_row: bool  # f = 1: rows are all of them, in order
 
 
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
@@ -119,6 +120,8 @@ class Dion3(torch.optim.Optimizer):
         self._rngs: dict[int, torch.Generator] = {}  # param group -> random selection
         self._ns_bad_count: torch.Tensor | None = None
         self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]
+        self._hyper_all: torch.Tensor | None = None  # (groups, 2), the storage of those views
+        self._hyper_values: list[float] | None = None  # what it holds, to skip redundant copies
         self._state_version = 0
         self.skipped_steps = 0  # steps skipped for non-finite gradients (nonfinite="skip")
         # observability (dion3_titan.metrics): off unless enabled; no host syncs in the step
@@ -136,7 +139,7 @@ class Dion3(torch.optim.Optimizer):
             for m in sg.members:
                 st = self.state[m.param]
                 if "momentum" not in st:  # one per parameter, shared by its pieces
-                    st["momentum"] = torch.zeros_like(m.param)
+                    st["momentum"] = zeros_like_param(m.param)
                 if cfg.flavor == "normuon":
                     st[m.variance_key] = row_state(m.param, m.layout)
         for group, cfg in zip(self.param_groups, self._configs):
@@ -235,13 +238,16 @@ class Dion3(torch.optim.Optimizer):
     def load_hyperparameters(self) -> None:
         """Copy each group's lr and weight decay into its device tensors. Kept out of
         ``step_body`` so a captured step reads live values (LR schedules keep working)."""
-        for gi, group in enumerate(self.param_groups):
-            if not group["params"]:
-                continue
-            t = self._hyper.get(gi)
-            if t is None:
-                t = self._hyper[gi] = torch.zeros(2, dtype=torch.float32, device=to_local(group["params"][0]).device)
-            t.copy_(torch.tensor([group["lr"], group["weight_decay"]], dtype=torch.float32), non_blocking=True)
+        values = [float(v) for g in self.param_groups for v in (g["lr"], g["weight_decay"])]
+        if values == self._hyper_values:
+            return  # unchanged: no copy (host time of a replayed step)
+        if self._hyper_all is None:
+            device = next((to_local(p).device for g in self.param_groups for p in g["params"]), None)
+            self._hyper_all = torch.zeros(len(self.param_groups), 2, dtype=torch.float32, device=device)
+            self._hyper = dict(enumerate(self._hyper_all))  # views: captured steps read them live
+        # One copy for every group; from a fresh pageable tensor, so it may be non-blocking.
+        self._hyper_all.copy_(torch.tensor(values, dtype=torch.float32).view(-1, 2), non_blocking=True)
+        self._hyper_values = values
 
     @torch.no_grad()
     def step_body(self, sync_check: bool) -> None:
@@ -282,18 +288,20 @@ class Dion3(torch.optim.Optimizer):
         cfg = self._configs[sg.group_index]
         members = sg.members
         views = [m.view(to_local(self.state[m.param]["momentum"])) for m in members]
-        rows, valid = self._select(sg, cfg, views)
+        every_row = self._every_row(sg, cfg)
+        rows, valid = (self._all_rows(sg, views[0].device), None) if every_row else self._select(sg, cfg, views)
 
         # pack the selected rows (zero-padded to the group's fixed block) and NorMuon's v
         sel, k, cols = sg.selected, sg.k, sg.cols
         rows_per = rows.split([m.layout.batch for m in members])
-        send = torch.cat([take_rows(v, r) for v, r in zip(views, rows_per)])
+        send = torch.cat(views if every_row else [take_rows(v, r) for v, r in zip(views, rows_per)])
         for m in members:
             if m.param.grad is None:  # no gradient: contributes nothing, receives no update
                 send[m.offset : m.offset + m.layout.batch] = 0
         if valid is not None:
             send = send * valid.unsqueeze(-1).to(send.dtype)
-        send = torch.nn.functional.pad(send, (0, cols - sg.local_cols, 0, k - sel))
+        if cols > sg.local_cols or k > sel:  # (pad copies even when it adds nothing)
+            send = torch.nn.functional.pad(send, (0, cols - sg.local_cols, 0, k - sel))
         send_v = None
         if cfg.flavor == "normuon":
             vs = torch.cat([self._variance(m) for m in members]).gather(1, rows)
@@ -305,7 +313,7 @@ class Dion3(torch.optim.Optimizer):
         real_rows = sg.global_k if cfg.selection_scope == "global" else sum(min(sg.k, r) for r in sg.block_rows)
         tall = real_rows > members[0].layout.global_cols
         ortho = orthogonalize(owned, self._ns[sg.group_index], backend, tall)
-        return _GroupWork(sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall)
+        return _GroupWork(sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row)
 
     def _check_results(self, work: list["_GroupWork"], sync_check: bool) -> None:
         """A non-finite NS result is never applied: eager steps recompute it (one host sync for
@@ -346,7 +354,8 @@ class Dion3(torch.optim.Optimizer):
             weight = m.view(to_local(m.param))
             ok = valid_per[i] if valid_per is not None else None
             apply_update(
-                weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"], w.backend
+                weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"], w.backend,
+                every_row=w.every_row,
             )
             if normuon:
                 v_state = self._variance(m)
@@ -397,6 +406,20 @@ class Dion3(torch.optim.Optimizer):
     def _variance(self, m) -> torch.Tensor:
         """(B, R) local view of a member's NorMuon second moment."""
         return to_local(self.state[m.param][m.variance_key]).view(m.layout.batch, m.layout.local_rows)
+
+    @staticmethod
+    def _every_row(sg: ShapeGroup, cfg: Dion3Config) -> bool:
+        """True when selection would pick every local row (f = 1): then there is nothing to
+        score or gather (and no score collective under column sharding)."""
+        if sg.selected < sg.local_rows:
+            return False
+        return cfg.selection_scope == "local" or sg.global_k >= sum(sg.block_rows)
+
+    def _all_rows(self, sg: ShapeGroup, device: torch.device) -> torch.Tensor:
+        key = ("all_rows", id(sg))
+        if key not in self._device_consts:
+            self._device_consts[key] = torch.arange(sg.local_rows, device=device).expand(sg.batch, -1)
+        return self._device_consts[key]
 
     def _select(
         self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor]

@@ -73,12 +73,17 @@ def apply_update(
     decay: torch.Tensor,
     mu: float,
     backend: Backend,
+    every_row: bool = False,
 ) -> None:
     """weight, momentum: (B, R, C) local views. Weight decay on every row, ``-lr * update`` on
     the selected rows (one rounding, in the backend's fused kernel), then error feedback:
     only the selected momentum rows decay by mu. Rows with ``valid`` False only pad a buffer:
-    their update is zero and their momentum is left alone."""
+    their update is zero and their momentum is left alone. ``every_row``: rows is every row
+    in order (f = 1), so the momentum decays in place without a gather/scatter."""
     backend.fused_update(weight, update, rows, lr, decay)
+    if every_row and valid is None:
+        momentum.mul_(mu)
+        return
     index = row_index(rows, momentum.shape[-1])
     factor = mu if valid is None else torch.where(valid, mu, 1.0).unsqueeze(-1).to(momentum.dtype)
     momentum.scatter_(1, index, momentum.gather(1, index).mul_(factor))
