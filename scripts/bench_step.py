@@ -525,6 +525,21 @@ def time_steps(runner: Runner, grads: GradFiller, device: torch.device, warmup: 
     return Timings(device_ms, host_ms, comm, eager_comm)
 
 
+def profile_step(runner: Runner, grads: GradFiller, name: str, top: int) -> None:
+    """Where one step's device time goes: its ``top`` kernels by total device time (one more
+    step, under torch.profiler, after the timed ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    grads.fill()
+    on_gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        runner.step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=top, max_name_column_width=70)
+    log(f"profile of one {name} step (top {top} by device time):\n{table}")
+
+
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     if len(values) < 2:
         v = values[0] if values else float("nan")
@@ -558,6 +573,8 @@ def run_config(cfg: BenchConfig, model: nn.Module, grads: GradFiller, device: to
         runner = make_runner(cfg, model, device, graph_cls)
         ns = runner.ns_flops
         t = time_steps(runner, grads, device, warmup, args.steps)
+        if args.profile and rank() == 0:
+            profile_step(runner, grads, cfg.name, args.profile)
     except Exception as exc:
         if args.strict and not is_oom(exc):
             raise
@@ -696,6 +713,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strict", action="store_true", help="re-raise errors other than OOM (tests)")
     p.add_argument("--out", default=None, help="JSON file or folder (default $OUT)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing each configuration, print its N costliest kernels (GPU)")
     return p.parse_args(argv)
 
 
