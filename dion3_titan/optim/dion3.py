@@ -52,6 +52,15 @@ class _GroupWork:
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
 
 
+def _join(views: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate (B, R, C) views along the batch. Views that select W's columns are
+    transposed views of contiguous tensors: join those in their own memory order (a coalesced
+    copy, not a strided one) and hand back the same transposed view."""
+    if all(not v.is_contiguous() and v.mT.is_contiguous() for v in views):
+        return torch.cat([v.mT for v in views]).mT
+    return torch.cat(views)
+
+
 class Dion3(torch.optim.Optimizer):
     """Dion3 (Muon/NorMuon flavors, f in (0, 1]) for matrices and AdamW for the rest.
 
@@ -211,11 +220,13 @@ class Dion3(torch.optim.Optimizer):
             (name, to_local(p.grad))
             for g in self.param_groups
             for p, name in zip(g["params"], self._names(g))
-            if p.grad is not None
+            if p.grad is not None and to_local(p.grad).numel()
         ]
         if not named:
             return True
-        finite = torch.stack([torch.isfinite(grad).all() for _, grad in named])
+        # max |g| per tensor, in one multi-tensor kernel: finite exactly when every entry is
+        # (NaN propagates through the max)
+        finite = torch.stack(torch._foreach_norm([grad for _, grad in named], ord=float("inf"))).isfinite()
         all_ok = finite.all().to(torch.int32)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:
@@ -294,7 +305,7 @@ class Dion3(torch.optim.Optimizer):
         # pack the selected rows (zero-padded to the group's fixed block) and NorMuon's v
         sel, k, cols = sg.selected, sg.k, sg.cols
         rows_per = rows.split([m.layout.batch for m in members])
-        send = torch.cat(views if every_row else [take_rows(v, r) for v, r in zip(views, rows_per)])
+        send = _join(views) if every_row else torch.cat([take_rows(v, r) for v, r in zip(views, rows_per)])
         for m in members:
             if m.param.grad is None:  # no gradient: contributes nothing, receives no update
                 send[m.offset : m.offset + m.layout.batch] = 0
