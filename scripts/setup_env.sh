@@ -16,6 +16,6 @@ else
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
-.venv/bin/python -m pip install -q triton 'torchtitan==0.2.2' 'torchao==0.18.0' tokenizers tomli pytest pytest-timeout
+.venv/bin/python -m pip install -q triton 'torchtitan==0.2.2' 'torchao==0.18.0' tokenizers tomli pytest pytest-timeout matplotlib
 .venv/bin/python -m pip install -q --no-deps -e .
 .venv/bin/python -c "import torch, torchtitan, dion3_titan; print('environment ready: torch', torch.__version__)"
