@@ -19,11 +19,13 @@ BOS text EOS), tokenizer.json and meta.json (token counts, sources, SHA-256 of e
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -72,12 +74,19 @@ def _finish(tmp: str, out: str) -> None:
     os.replace(tmp, out)
 
 
-def _new_tmp(out: str) -> str:
+@contextlib.contextmanager
+def _staging(out: str) -> Iterator[str]:
+    """A fresh folder beside ``out`` to build into; removed if the build fails (a finished
+    build is moved into place by ``_publish``)."""
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".building-", dir=parent)
     os.chmod(tmp, 0o755)
-    return tmp
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def build_full(out: str, source: str = DEFAULT_SOURCE) -> dict:
@@ -86,8 +95,7 @@ def build_full(out: str, source: str = DEFAULT_SOURCE) -> dict:
         build_docs("large", source, **FULL)
     with open(os.path.join(source, "meta.json")) as f:
         src_meta = json.load(f)
-    tmp = _new_tmp(out)
-    try:
+    with _staging(out) as tmp:
         for name in COPIED:
             shutil.copyfile(os.path.join(source, name), os.path.join(tmp, os.path.basename(name)))
         meta = {
@@ -98,9 +106,6 @@ def build_full(out: str, source: str = DEFAULT_SOURCE) -> dict:
             "dtype": "uint16",
         }
         _publish(tmp, out, meta)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 
@@ -128,8 +133,7 @@ def build_tiny(out: str, n_docs: int = TINY["docs"], vocab_size: int = TINY["voc
     val = [d for d in docs if is_validation(d, TINY["val_percent"])]
     if not val or not train:
         raise RuntimeError(f"{n_docs} documents gave {len(train)} train / {len(val)} validation")
-    tmp = _new_tmp(out)
-    try:
+    with _staging(out) as tmp:
         tok = train_tokenizer((d.text for d in train), vocab_size)
         tok.save(os.path.join(tmp, "tokenizer.json"))
         n_train = _write_bin(os.path.join(tmp, "train.bin"), tok, train)
@@ -148,9 +152,6 @@ def build_tiny(out: str, n_docs: int = TINY["docs"], vocab_size: int = TINY["voc
             "dtype": "uint16",
         }
         _publish(tmp, out, meta)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 
