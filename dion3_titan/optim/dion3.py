@@ -217,10 +217,10 @@ class Dion3(torch.optim.Optimizer):
         untouched. In a distributed run every rank reaches the same decision (one all-reduce of
         a flag; the names travel only when something is wrong). One host sync."""
         named = [
-            (name, to_local(p.grad))
+            (name, grad)
             for g in self.param_groups
             for p, name in zip(g["params"], self._names(g))
-            if p.grad is not None and to_local(p.grad).numel()
+            if p.grad is not None and (grad := to_local(p.grad)).numel()
         ]
         if not named:
             return True
