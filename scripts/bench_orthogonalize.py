@@ -201,7 +201,7 @@ def main() -> None:
         del x
     result["orthogonalize"] = ns_rows
 
-    # ---- small shapes: where a kernel backend starts to pay (dispatch.CUTE_MIN_N)
+    # ---- small shapes: where a kernel backend starts to pay (dispatch.TRITON_MIN_N)
     cross_rows = []
     for batch, n in ((64, 256), (32, 512), (16, 768), (16, 1024), (8, 1536)) if args.crossover else ():
         x = torch.randn(batch, n, 4 * n, device="cuda", dtype=torch.bfloat16)

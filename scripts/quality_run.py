@@ -56,6 +56,9 @@ sys.path.insert(0, REPO)
 from dion3_titan.optim.dion3 import Dion3  # noqa: E402
 from dion3_titan.optim.routing import build_param_groups, is_matrix  # noqa: E402
 
+MATRIX_LR = 0.02  # default base lr of the Muon-family runs; other values tag run names "_lr..."
+MOMENTUM = 0.95  # default momentum of the Muon-family runs; other values tag run names "_mu..."
+
 
 # ----------------------------------------------------------------------------- model
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()  # normalize in fp32 under autocast, as torchtitan does
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,7 +359,8 @@ def default_runs(args: argparse.Namespace) -> list[RunSpec]:
     plain = {"fraction": 1.0, "ns_algorithm": "standard", "ns_coefficients": "muon"}
     several = len(args.matrix_lrs) > 1
     for lr in args.matrix_lrs:
-        tag = f"_lr{lr:g}" if several else ""
+        tag = f"_lr{lr:g}" if several or lr != MATRIX_LR else ""
+        tag += f"_mu{args.momentum:g}" if args.momentum != MOMENTUM else ""
         if hasattr(torch.optim, "Muon"):
             runs.append(RunSpec(f"muon_torch{tag}", "torch_muon", lr,
                                 label="torch.optim.Muon (Nesterov, NS5 Muon quintic, lr x sqrt(max(1, out/in)))"))
@@ -574,10 +579,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", help="comma-separated name prefixes of the runs to do (default all)")
     p.add_argument("--adamw-lrs", type=lambda s: [float(v) for v in s.split(",")], default=[5e-4, 1e-3, 1.5e-3])
     p.add_argument("--adamw-weight-decay", type=float, default=0.1, help="AdamW runs, matrices only")
-    p.add_argument("--matrix-lrs", type=lambda s: [float(v) for v in s.split(",")], default=[0.02],
-                   help="base lr(s) of the orthogonalized matrices; every Muon-family run per value")
+    p.add_argument("--matrix-lrs", type=lambda s: [float(v) for v in s.split(",")], default=[MATRIX_LR],
+                   help="base lr(s) of the orthogonalized matrices; every Muon-family run per value "
+                   "(run names get an _lr suffix unless the only value is the default)")
     p.add_argument("--matrix-weight-decay", type=float, default=0.01, help="App. D.1")
-    p.add_argument("--momentum", type=float, default=0.95)
+    p.add_argument("--momentum", type=float, default=MOMENTUM)
     p.add_argument("--fraction", type=float, default=0.25, help="f of the compressed Dion3 run")
     p.add_argument("--scalar-lr", type=float, default=3e-3, help="AdamW lr of embeddings/head/norms in non-AdamW runs")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip, 0 = off")

@@ -77,6 +77,37 @@ def _run_checks() -> list[dict]:
                         }
                     )
 
+    # the persistent TMA kernel (even shapes only), for every operand layout Gram NS passes
+    tma_config = (16, 16, 2, 4, 2)
+    for L, n, k in [(2, 48, 32), (1, 64, 16)]:
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(L, n, k).to(dtype)
+            r = torch.randn(L, n, n)
+            r = ((r + r.mT) / 2).to(dtype)
+            layouts = {"x,x.mT": (x, x.mT), "xT.mT,xT": (x.mT.contiguous().mT, x.mT.contiguous()), "r,r": (r, r)}
+            for layout, (a, b) in layouts.items():
+                for with_c in (False, True):
+                    c, alpha, beta = (r, 0.7, -1.3) if with_c else (None, 1.0, 0.0)
+                    ref = alpha * torch.bmm(a.double(), b.double()) + (beta * c.double() if with_c else 0)
+                    theirs = torch.baddbmm(c, a, b, alpha=alpha, beta=beta) if with_c else torch.bmm(a, b)
+                    out = torch.full((L, n, n), float("nan"), dtype=dtype)
+                    done = triton_ops.sym_gemm_tma(a, b, c, alpha, beta, config=tma_config, out=out)
+                    results.append(
+                        {
+                            "check": "sym_gemm",
+                            "case": f"tma,L={L},n={n},k={k},{dtype},{layout},c={with_c}",
+                            "err": rel(out, ref) if done is not None else float("inf"),
+                            "torch_err": rel(theirs, ref),
+                            "finite": bool(torch.isfinite(out).all()),
+                            "symmetric": bool(torch.equal(out, out.mT)),
+                            "dtype_ok": out.dtype == dtype,
+                        }
+                    )
+    x = torch.randn(1, 40, 32).half()  # n not a multiple of the tile: the general kernel's job
+    results.append(
+        {"check": "tma_declines", "case": "n=40", "ok": triton_ops.sym_gemm_tma(x, x.mT, config=tma_config) is None}
+    )
+
     ops = triton_ops.TritonOps()
     for dtype in (torch.float32, torch.bfloat16):
         for decay in (1.0, 0.98):
@@ -144,6 +175,10 @@ def test_sym_gemm_writes_every_element(results: list[dict]) -> None:
 def test_sym_gemm_exactly_symmetric_in_input_dtype(results: list[dict]) -> None:
     bad = [r["case"] for r in _of(results, "sym_gemm") if not (r["symmetric"] and r["dtype_ok"])]
     assert not bad
+
+
+def test_tma_kernel_declines_ragged_shapes(results: list[dict]) -> None:
+    assert all(r["ok"] for r in _of(results, "tma_declines"))
 
 
 def test_fused_update_matches_reference_bitwise(results: list[dict]) -> None:

@@ -9,7 +9,10 @@ from dion3_titan.kernels.torch_ops import TorchOps
 from dion3_titan.optim.config import POLAR_EXPRESS, Dion3Config, coefficient_schedule
 from dion3_titan.optim.orthogonalize import (
     NSSettings,
+    _normalize,
     gram_newton_schulz,
+    is_transposed_batch,
+    normalize_batch,
     orthogonalize,
     orthogonalize_checked,
     standard_newton_schulz,
@@ -274,3 +277,25 @@ def test_polar_express_schedule_and_safety_factor():
         x = 0.37
         assert abs((a * x + b * x**3 + c * x**5) - (a0 * (x / 1.05) + b0 * (x / 1.05) ** 3 + c0 * (x / 1.05) ** 5)) < 1e-12
     assert coefficient_schedule("muon", 3, 1.0) == ((3.4445, -4.7750, 2.0315),) * 3
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_normalize_batch_equals_concatenate_then_normalize(transposed, dtype):
+    """The single-rank fast path (normalize each momentum view straight into the NS batch) gives
+    exactly what concatenating the views and normalizing the batch gives, in the same layout."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(2, 5, 9), (1, 5, 9), (3, 5, 9)]
+    if transposed:  # views that select a weight's columns: transposes of contiguous tensors
+        views = [torch.randn(b, m, n, generator=gen).mT for b, n, m in shapes]
+    else:
+        views = [torch.randn(b, n, m, generator=gen) for b, n, m in shapes]
+    got = normalize_batch(views, 1e-7, dtype)
+    # the concatenation in the views' own memory order (as the step's packing does it)
+    batch = torch.cat([v.mT for v in views]).mT if transposed else torch.cat(views)
+    want = _normalize(batch, 1e-7, dtype)
+    assert got.dtype == dtype and got.shape == (6, 5, 9)
+    assert is_transposed_batch(views) == transposed == (not got.is_contiguous())
+    assert torch.equal(got, want)
+    norms = torch.linalg.vector_norm(got.double(), dim=(-2, -1))
+    assert torch.allclose(norms, torch.ones(6, dtype=torch.float64), atol=1e-3)

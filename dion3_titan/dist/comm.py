@@ -43,6 +43,8 @@ class Exchange:
     ``scatter(result, extra)`` is its inverse on results.
     """
 
+    moves_data = False  # gather/scatter hand back their input: the owner's batch is the local one
+
     def gather(
         self, rows: torch.Tensor, extra: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -61,6 +63,7 @@ def _append_extra(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
 
 
 class ShardedExchange(Exchange):
+    moves_data = True
     """Matrices cut by one or more mesh dims (FSDP rows, TP rows or columns): per group, one
     ``all_to_all_single`` brings every shard's selected rows to the matrix's owner and one
     returns the results.
@@ -144,6 +147,7 @@ class ShardedExchange(Exchange):
 
 
 class ReplicatedExchange(Exchange):
+    moves_data = True
     """Whole matrices replicated on every rank of a group (DDP): each rank orthogonalizes its
     share and one ``all_gather_into_tensor`` hands every rank all results."""
 

@@ -19,19 +19,17 @@ PREFERENCES: tuple[str, ...] = ("auto",) + BACKENDS
 # Measured on a GPU machine (NVIDIA H200, torch 2.11 cu13, triton 3.6, 2026-11-30, one run of
 # scripts/bench_orthogonalize.py; medians in ms, fp16, polar-express; docs/benchmarks.md):
 #   shape            Gram torch  Gram Triton  Gram CuteDSL  standard Triton
-#   32x2048x7168     29.02       21.69        22.06         33.44
-#   1x7168x18432     27.44       21.50        20.52         29.79
-#   4x4096x11008     22.90       16.85        16.69         24.07
-#   8x4096x4096      33.84       22.40        22.82         21.82   (square: standard NS)
-#   24x1024x4096      3.79        3.02         3.22          4.80
-#   4x1024x11008      1.24        1.24         1.27          2.20
-#   crossover (Gram NS torch / Triton): 64x256x1024 0.61/0.72, 32x512x2048 0.98/0.86
-# So: torch below a Gram side of 512, Triton from 512, CuteDSL only for rectangular stacks with a
-# Gram side of 4096 or more (where it was ahead); square stacks (standard NS) stay on Triton.
-CUTE_MIN_N: int = 4096
-CUTE_TILE: int = 128  # the CuteDSL kernel needs n % 128 == 0 (else it hands over to Triton)
-# Rows/columns must be a multiple of this for the fast paths: 16-byte (8 x fp16) vector loads.
-ALIGN: int = 8
+#   32x2048x7168     27.90       19.62        21.21         31.08
+#   1x7168x18432     27.23       18.61        20.46         28.48
+#   4x4096x11008     24.31       14.51        16.18         22.96
+#   8x4096x4096      36.22       19.95        22.29         20.63   (square: standard NS)
+#   24x1024x4096      3.52        2.71         2.91          4.43
+#   4x1024x11008      1.12        1.09         1.11          2.09
+# Triton (its persistent TMA kernel for large batches) is the fastest or within 4% everywhere,
+# so "auto" never picks CuteDSL; it stays available as backend = "cute". Below a Gram side of
+# 512 torch wins eagerly (a Triton launch costs ~40 us of host time against ~16 us for a cuBLAS
+# one); inside a captured step Triton is ahead there too (64x256x1024: 0.34 against 0.37 ms).
+TRITON_MIN_N = 512
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -53,25 +51,13 @@ def get_backend(name: str) -> Backend:
     raise ValueError(f"backend must be one of {BACKENDS}, got backend={name!r}")
 
 
-TRITON_MIN_N = 512
-
-
-def cute_available() -> bool:
-    """True when the CuteDSL backend can run here (without building it)."""
-    from dion3_titan.kernels.cute_symm import is_available
-
-    return is_available()
-
-
 def select_backend(
     preference: str, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str
 ) -> Backend:
     """Backend for orthogonalizing a (batch, n, m) stack in ``dtype`` on ``device``.
 
     An explicit name is honoured as is. "auto": CPU or a dtype other than fp16/bf16 -> torch;
-    CuteDSL on an SM90 GPU for a rectangular stack whose Gram side min(n, m) is >= CUTE_MIN_N
-    and a multiple of 128; else Triton from a Gram side of TRITON_MIN_N; otherwise torch
-    (measurements above).
+    Triton from a Gram side of TRITON_MIN_N; otherwise torch (measurements above).
     """
     if preference != "auto":
         if preference not in BACKENDS:
@@ -82,8 +68,6 @@ def select_backend(
     side = min(n, m)
     if device.type != "cuda" or dtype not in _HALF:
         return get_backend("torch")
-    if n != m and side >= CUTE_MIN_N and side % CUTE_TILE == 0 and max(n, m) % ALIGN == 0 and cute_available():
-        return get_backend("cute")
     if side >= TRITON_MIN_N:
         return get_backend("triton")
     return get_backend("torch")
@@ -92,7 +76,7 @@ def select_backend(
 def select_algorithm(shape: tuple[int, int, int]) -> str:
     """"gram" | "standard" for a (batch, n, m) stack: Gram NS pays for its extra n x n work only
     when the matrix is rectangular; a square one runs standard NS. Measured at 8x4096x4096:
-    Gram NS 37.2 ms (torch) / 23.3 ms (cute) against plain Muon NS5 27.3 ms and
-    gram-newton-schulz's standard NS with quack kernels 19.5 ms (table above)."""
+    standard NS on Triton 20.6 ms, Gram NS 20.0 ms (Triton) / 36.2 ms (torch), plain Muon NS5
+    26.6 ms, gram-newton-schulz's standard NS with quack kernels 18.7 ms (same run)."""
     _, n, m = shape
     return "standard" if n == m else "gram"

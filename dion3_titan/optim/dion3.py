@@ -18,7 +18,14 @@ from dion3_titan.dist.layout import describe, row_state, to_local, zeros_like_pa
 from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim.config import Dion3Config
-from dion3_titan.optim.orthogonalize import NSSettings, nonfinite_matrices, orthogonalize, repair_nonfinite
+from dion3_titan.optim.orthogonalize import (
+    NSSettings,
+    is_transposed_batch,
+    nonfinite_matrices,
+    normalize_batch,
+    orthogonalize,
+    repair_nonfinite,
+)
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.update import (
     apply_update,
@@ -56,7 +63,7 @@ def _join(views: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate (B, R, C) views along the batch. Views that select W's columns are
     transposed views of contiguous tensors: join those in their own memory order (a coalesced
     copy, not a strided one) and hand back the same transposed view."""
-    if all(not v.is_contiguous() and v.mT.is_contiguous() for v in views):
+    if is_transposed_batch(views):
         return torch.cat([v.mT for v in views]).mT
     return torch.cat(views)
 
@@ -302,28 +309,34 @@ class Dion3(torch.optim.Optimizer):
         every_row = self._every_row(sg, cfg)
         rows, valid = (self._all_rows(sg, views[0].device), None) if every_row else self._select(sg, cfg, views)
 
-        # pack the selected rows (zero-padded to the group's fixed block) and NorMuon's v
         sel, k, cols = sg.selected, sg.k, sg.cols
         rows_per = rows.split([m.layout.batch for m in members])
-        send = _join(views) if every_row else torch.cat([take_rows(v, r) for v, r in zip(views, rows_per)])
-        for m in members:
-            if m.param.grad is None:  # no gradient: contributes nothing, receives no update
-                send[m.offset : m.offset + m.layout.batch] = 0
-        if valid is not None:
-            send = send * valid.unsqueeze(-1).to(send.dtype)
-        if cols > sg.local_cols or k > sel:  # (pad copies even when it adds nothing)
-            send = torch.nn.functional.pad(send, (0, cols - sg.local_cols, 0, k - sel))
         send_v = None
         if cfg.flavor == "normuon":
             vs = torch.cat([self._variance(m) for m in members]).gather(1, rows)
             send_v = torch.nn.functional.pad(vs, (0, k - sel))
-
-        owned, owned_v = sg.exchange.gather(send, send_v)
+        ns = self._ns[sg.group_index]
+        whole = every_row and not sg.exchange.moves_data and cols == sg.local_cols and k == sel
+        if whole and all(m.param.grad is not None for m in members):
+            # The whole momentum stays here: normalize it straight into the NS batch (one
+            # pass over each matrix instead of a float32 copy, its norm, a division and a cast).
+            owned, owned_v, normalized = normalize_batch(views, ns.eps, ns.dtype), send_v, True
+        else:
+            # pack the selected rows (zero-padded to the group's fixed block)
+            send = _join(views) if every_row else torch.cat([take_rows(v, r) for v, r in zip(views, rows_per)])
+            for m in members:
+                if m.param.grad is None:  # no gradient: contributes nothing, receives no update
+                    send[m.offset : m.offset + m.layout.batch] = 0
+            if valid is not None:
+                send = send * valid.unsqueeze(-1).to(send.dtype)
+            if cols > sg.local_cols or k > sel:  # (pad copies even when it adds nothing)
+                send = torch.nn.functional.pad(send, (0, cols - sg.local_cols, 0, k - sel))
+            (owned, owned_v), normalized = sg.exchange.gather(send, send_v), False
         backend = select_backend(cfg.backend, tuple(owned.shape), cfg.compute_dtype, owned.device)
         # orient by the real (unpadded) selected shape, see orthogonalize()
         real_rows = sg.global_k if cfg.selection_scope == "global" else sum(min(sg.k, r) for r in sg.block_rows)
         tall = real_rows > members[0].layout.global_cols
-        ortho = orthogonalize(owned, self._ns[sg.group_index], backend, tall)
+        ortho = orthogonalize(owned, ns, backend, tall, normalized)
         return _GroupWork(sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row)
 
     def _check_results(self, work: list["_GroupWork"], sync_check: bool) -> None:

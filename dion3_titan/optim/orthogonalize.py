@@ -22,12 +22,41 @@ class NSSettings:
     eps: float = 1e-7
 
 
-def _normalize(x: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    # Frobenius norm in float32 (float64 stays float64) so the scale is exact before the cast.
+def _normalize(x: torch.Tensor, eps: float, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x / (||x||_F + eps) per matrix, in ``dtype`` (into ``out`` when given).
+
+    The norm and the division run in float32 (float64 stays float64) so the scale is exact
+    before the one rounding to ``dtype``; the division writes the narrow result directly (one
+    pass, no float32 copy of x)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(acc)
-    norm = torch.linalg.vector_norm(xf, dim=(-2, -1), keepdim=True)
-    return (xf / (norm + eps)).to(dtype)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc)
+    if out is None:
+        out = torch.empty_like(x, dtype=dtype)
+    return torch.div(x, norm + eps, out=out)
+
+
+def is_transposed_batch(views: list[torch.Tensor]) -> bool:
+    """True when every (B, n, m) view is the transpose of a contiguous tensor (a view that
+    selects a weight's columns): batches built from them should keep that memory order."""
+    return all(not v.is_contiguous() and v.mT.is_contiguous() for v in views)
+
+
+def normalize_batch(views: list[torch.Tensor], eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """The views (B_i, n, m), each matrix normalized as ``orthogonalize`` does it, batched as
+    one (sum B_i, n, m) tensor in ``dtype``: each view is read once for its norms and once by
+    the division that writes its slice of the batch (no float32 concatenation)."""
+    n, m = views[0].shape[-2:]
+    total = sum(v.shape[0] for v in views)
+    device = views[0].device
+    if is_transposed_batch(views):
+        out = torch.empty((total, m, n), dtype=dtype, device=device).mT
+    else:
+        out = torch.empty((total, n, m), dtype=dtype, device=device)
+    start = 0
+    for v in views:
+        _normalize(v, eps, dtype, out=out[start : start + v.shape[0]])
+        start += v.shape[0]
+    return out
 
 
 def gram_newton_schulz(
@@ -85,7 +114,7 @@ def resolve_algorithm(algorithm: str, n: int, m: int) -> str:
 
 
 def orthogonalize(
-    x: torch.Tensor, settings: NSSettings, backend: Backend, tall: bool | None = None
+    x: torch.Tensor, settings: NSSettings, backend: Backend, tall: bool | None = None, normalized: bool = False
 ) -> torch.Tensor:
     """polar(x) for a batch x (B, n, m) of either orientation; result in ``settings.dtype``.
 
@@ -93,6 +122,7 @@ def orthogonalize(
     ``tall`` overrides the orientation when x carries zero padding: the Gram matrix must be
     formed on the side of the real (unpadded) shape that is smaller, or its null space holds
     rounding noise that the iteration amplifies; zero rows or columns stay exactly zero.
+    ``normalized``: x is already ``normalize_batch``'s output (scaled, in the compute dtype).
     """
     if x.ndim != 3:
         raise ValueError(f"orthogonalize expects a (B, n, m) batch, got shape {tuple(x.shape)}")
@@ -101,7 +131,7 @@ def orthogonalize(
     if tall:
         x = x.mT
     n, m = x.shape[-2:]
-    xn = _normalize(x, settings.eps, settings.dtype)
+    xn = x if normalized else _normalize(x, settings.eps, settings.dtype)
     if resolve_algorithm(settings.algorithm, n, m) == "gram":
         out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend)
     else:

@@ -28,14 +28,25 @@ def _symmetric(L: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("n", [128, 256, 1000, 2048, 4096])
 @pytest.mark.parametrize("k", [128, 640, 4096])
 @pytest.mark.parametrize("with_c", [False, True])
-def test_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool) -> None:
+@pytest.mark.parametrize("layout", ["x,x.mT", "xT.mT,xT", "r,r"])
+def test_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layout: str) -> None:
+    from dion3_titan.kernels import triton_ops
     from dion3_titan.kernels.triton_ops import TritonOps
 
     ops = TritonOps()
-    # X (L, n, k) and X^T as a strided view, the way Gram NS passes them
-    x = torch.randn(L, n, k, device="cuda").to(dtype)
-    a, b = x, x.mT
+    # the operand layouts Gram NS passes: X (L, n, k) row-major or column-major (a weight's
+    # columns) with X^T as a view, and square symmetric iterates R @ R
+    if layout == "r,r":
+        if k != 128:
+            pytest.skip("square operands: k = n, one k value suffices")
+        a = b = _symmetric(L, n, dtype) / n**0.5
+    else:
+        x = torch.randn(L, n, k, device="cuda").to(dtype)
+        if layout == "xT.mT,xT":
+            x = x.mT.contiguous().mT
+        a, b = x, x.mT
     ref = torch.bmm(a.double(), b.double())
+    c, alpha, beta = None, 1.0, 0.0
     if with_c:
         alpha, beta = 0.75, -1.25
         c = _symmetric(L, n, dtype)
@@ -46,11 +57,17 @@ def test_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool) -> N
     else:
         theirs = torch.bmm(a, b)
         out = ops.sym_mm(a, b)
-    assert out.dtype == dtype and out.shape == (L, n, n)
-    assert torch.isfinite(out).all(), "unwritten or non-finite output"
-    assert torch.equal(out, out.mT), "result is not exactly symmetric"
     bound = 2 * _rel_err(theirs, ref) + 1e-6
-    assert _rel_err(out, ref) <= bound
+    # the backend picks the persistent TMA kernel only for large batches: check it on every
+    # shape it accepts too, into a poisoned output
+    poisoned = torch.full((L, n, n), float("nan"), device="cuda", dtype=dtype)
+    tma = triton_ops.sym_gemm_tma(a, b, c, alpha, beta, out=poisoned)
+    assert (tma is None) == (n % 128 != 0)
+    for result in [out] + ([tma] if tma is not None else []):
+        assert result.dtype == dtype and result.shape == (L, n, n)
+        assert torch.isfinite(result).all(), "unwritten or non-finite output"
+        assert torch.equal(result, result.mT), "result is not exactly symmetric"
+        assert _rel_err(result, ref) <= bound
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
