@@ -40,7 +40,9 @@ def load(*paths: str) -> dict:
         if other["meta"]["model"] != merged["meta"]["model"] or other["meta"]["args"]["steps"] != merged["meta"]["args"]["steps"]:
             raise ValueError("the JSONs come from different setups (model or steps differ)")
         merged["runs"].update(other["runs"])
-        merged["meta"]["argv_parts"] = merged["meta"].get("argv_parts", [merged["meta"]["argv"]]) + [other["meta"]["argv"]]
+        merged["meta"]["argv_parts"] = merged["meta"].get("argv_parts", [merged["meta"]["argv"]]) + other["meta"].get(
+            "argv_parts", [other["meta"]["argv"]]
+        )
         merged["meta"]["total_wall_s"] = max(merged["meta"].get("total_wall_s", 0), other["meta"].get("total_wall_s", 0))
     return merged
 

@@ -92,6 +92,11 @@ def _run_checks() -> list[dict]:
                     theirs = torch.baddbmm(c, a, b, alpha=alpha, beta=beta) if with_c else torch.bmm(a, b)
                     out = torch.full((L, n, n), float("nan"), dtype=dtype)
                     done = triton_ops.sym_gemm_tma(a, b, c, alpha, beta, config=tma_config, out=out)
+                    fresh = triton_ops.sym_gemm_tma(a, b, c, alpha, beta, config=tma_config)  # allocates
+                    results.append(
+                        {"check": "tma_alloc", "case": f"L={L},n={n},{dtype},{layout},c={with_c}",
+                         "ok": fresh is not None and torch.equal(fresh, out)}
+                    )
                     results.append(
                         {
                             "check": "sym_gemm",
@@ -179,6 +184,11 @@ def test_sym_gemm_exactly_symmetric_in_input_dtype(results: list[dict]) -> None:
 
 def test_tma_kernel_declines_ragged_shapes(results: list[dict]) -> None:
     assert all(r["ok"] for r in _of(results, "tma_declines"))
+
+
+def test_tma_kernel_allocates_the_same_result(results: list[dict]) -> None:
+    bad = [r["case"] for r in _of(results, "tma_alloc") if not r["ok"]]
+    assert not bad
 
 
 def test_fused_update_matches_reference_bitwise(results: list[dict]) -> None:

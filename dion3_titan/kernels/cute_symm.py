@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dion3_titan.kernels.triton_ops import TritonOps
+from dion3_titan.kernels.triton_ops import TritonOps, num_sms
 
 TILE = 128  # output tile side (square: the triangle of tiles needs square tiles)
 TILE_K = 64  # k-slice per pipeline stage
@@ -315,11 +315,6 @@ def _tile_table(side: int, device: torch.device) -> torch.Tensor:
     return torch.tril_indices(side, side, device=device).to(torch.int32).contiguous()
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def sym_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -353,7 +348,7 @@ def sym_gemm(
     fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c)
     side = n // TILE
     table = _tile_table(side, a.device)
-    ctas = min(_num_sms(a.device), L * table.shape[1])
+    ctas = min(num_sms(a.device), L * table.shape[1])
     fn(
         _as_nkl(a), _as_nkl(bt), _as_nkl(c if has_c else out), _as_nkl(out), table, ctas,
         float(alpha), float(beta),

@@ -16,6 +16,7 @@ check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -341,21 +342,22 @@ TMA_CONFIG: tuple[int, int, int, int, int] | None = (128, 64, 8, 8, 4)
 # The persistent kernel pays off once every SM has several tiles to walk (4 x 2048^2, 544
 # tiles on 132 SMs, ran 0.12 ms against 0.08 ms for the per-tile kernel; 32 x 2048^2 won).
 TMA_MIN_TILES_PER_SM = 8
-_NUM_SMS: dict[int, int] = {}
 _TMA_BROKEN: list[str] = []  # set when this Triton cannot compile the TMA kernel
 
 
-def _num_sms(device: torch.device) -> int:
-    index = device.index or 0
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count if device.type == "cuda" else 4
-    return _NUM_SMS[index]
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent kernels launch one program per
+    SM); 4 for a CPU tensor under the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_pays(a: torch.Tensor, n: int) -> bool:
     L, block = a.shape[0], (TMA_CONFIG or SYM_CONFIG)[0]
     side = triton.cdiv(n, block)
-    return L * side * (side + 1) // 2 >= TMA_MIN_TILES_PER_SM * _num_sms(a.device)
+    return L * side * (side + 1) // 2 >= TMA_MIN_TILES_PER_SM * num_sms(a.device)
 
 
 def _rows_stacked(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
@@ -386,23 +388,23 @@ def sym_gemm_tma(
     L, n, k = _check_sym_operands(a, b)
     block, block_k, group, num_warps, num_stages = config or TMA_CONFIG
     has_c = c is not None and beta != 0.0
-    if out is None:
-        out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
     sa, sb = _rows_stacked(a), _rows_stacked(b)
-    tensors = [a, b, out] + ([c] if has_c else [])
     if (
-        L == 0 or n == 0 or n % block or k % block_k or sa is None or sb is None
-        or not out.is_contiguous() or (has_c and (c.shape != (L, n, n) or not c.is_contiguous()))
-        or any(t.data_ptr() % 16 for t in tensors) or n % 8 or k % 8
+        L == 0 or n == 0 or k == 0 or n % block or k % block_k or sa is None or sb is None
+        or (out is not None and not out.is_contiguous())
+        or (has_c and (c.shape != (L, n, n) or not c.is_contiguous()))
+        or any(t.data_ptr() % 16 for t in [a, b] + ([c] if has_c else []) + ([out] if out is not None else []))
     ):
         return None
+    if out is None:
+        out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
     (a2, a_t), (b2, b_t) = sa, sb
     a_block = [block_k, block] if a_t else [block, block_k]
     b_block = [block, block_k] if b_t else [block_k, block]
     out2 = out.view(L * n, n)
     out_desc = TensorDescriptor.from_tensor(out2, [block, block])
     c_desc = TensorDescriptor.from_tensor(c.view(L * n, n), [block, block]) if has_c else out_desc
-    sms = _num_sms(a.device)
+    sms = num_sms(a.device)
     side = n // block
     grid = (min(sms, L * side * (side + 1) // 2),)
     _sym_gemm_tma_kernel[grid](
