@@ -82,13 +82,21 @@ def opt_seconds_at(run: dict) -> list[float]:
     return [cum[min(step, len(cum) - 1)] for step, _ in run["val"]]
 
 
-def plot(report: dict, out_dir: str) -> list[str]:
+def plot(report: dict, out_dir: str, only: list[str] | None = None) -> list[str]:
+    """The two PNGs; ``only`` (glob patterns of run names) picks the curves, since a sweep of
+    dozens of runs does not read as one chart (the table keeps every run)."""
+    import fnmatch
+
     import matplotlib
 
     matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 
     runs = finished(report)
+    if only:
+        runs = [(n, r) for n, r in runs if any(fnmatch.fnmatchcase(n, pat) for pat in only)]
+        if not runs:
+            raise ValueError(f"--plot-only {only} matches no finished run")
     meta = report["meta"]
     title = f"{meta['params']['total'] / 1e6:.0f}M llama3-style, {meta['tokens_per_step']} tok/step, {meta['device']}"
     paths = []
@@ -96,7 +104,7 @@ def plot(report: dict, out_dir: str) -> list[str]:
         (PNG_STEP, "optimizer step", lambda r: [s for s, _ in r["val"]]),
         (PNG_TIME, "cumulative optimizer.step() time (s)", opt_seconds_at),
     ):
-        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+        fig, ax = plt.subplots(figsize=(10, 5), dpi=120)
         for name, run in runs:
             ax.plot(xs_of(run), [v for _, v in run["val"]], label=name, **_style(name))
         ax.set_ylim(*_y_limits(runs))
@@ -104,7 +112,7 @@ def plot(report: dict, out_dir: str) -> list[str]:
         ax.set_ylabel("validation loss (nats/token)")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if len(runs) <= 18 else 2)
         fig.tight_layout()
         path = os.path.join(out_dir, fname)
         fig.savefig(path)
@@ -210,12 +218,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--markdown", help="write the filled results page here")
     p.add_argument("--template", default=DEFAULT_TEMPLATE, help="page with BEGIN/END blocks")
     p.add_argument("--image-prefix", default="quality/", help="path of the PNGs as linked from the page")
+    p.add_argument("--plot-only", type=lambda v: v.split(","), default=None,
+                   help="comma-separated glob patterns of the runs to draw (default: all)")
     a = p.parse_args(argv)
     report = load(*a.json)
     out = a.out or os.path.dirname(os.path.abspath(a.json[0]))
     if not a.no_plots:
         os.makedirs(out, exist_ok=True)
-        for path in plot(report, out):
+        for path in plot(report, out, a.plot_only):
             print(f"wrote {path}")
     if a.markdown:
         with open(a.template) as f:

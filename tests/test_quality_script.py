@@ -114,3 +114,32 @@ def test_lr_sweep_names_and_merged_reports(tiny_report: tuple[dict, Path], tmp_p
     assert list(merged["runs"]) == names and merged["meta"]["argv_parts"] == [["part0"], ["part1"]]
     with pytest.raises(ValueError, match="more than one JSON"):
         plot.load(str(halves[0]), str(halves[0]))
+
+
+def test_momentum_and_lr_tags_and_plot_subset(tiny_report: tuple[dict, Path], tmp_path: Path) -> None:
+    q = load_script("quality_run")
+    args = q.parse_args(["--tiny", "--out", str(tmp_path), "--matrix-lrs", "0.03", "--momentum", "0.7", "--runs", "dion3_f0.25"])
+    assert [r.name for r in q.default_runs(args)] == ["dion3_f0.25_lr0.03_mu0.7"]
+    args = q.parse_args(["--tiny", "--out", str(tmp_path), "--runs", "muon_plain"])
+    assert [r.name for r in q.default_runs(args)] == ["muon_plain"]  # defaults: no tag
+
+    # a merged report merges again with its parts' command lines kept
+    _, out = tiny_report
+    report = json.loads((out / "quality.json").read_text())
+    names = list(report["runs"])
+    parts = []
+    for i, part in enumerate((names[:1], names[1:2], names[2:])):
+        half = {"meta": {**report["meta"], "argv": [f"part{i}"]}, "runs": {n: report["runs"][n] for n in part}}
+        parts.append(tmp_path / f"p{i}.json")
+        parts[-1].write_text(json.dumps(half))
+    plot = load_script("plot_quality")
+    first_two = tmp_path / "first_two.json"
+    first_two.write_text(json.dumps(plot.load(str(parts[0]), str(parts[1]))))
+    merged = plot.load(str(first_two), str(parts[2]))
+    assert merged["meta"]["argv_parts"] == [["part0"], ["part1"], ["part2"]]
+
+    pytest.importorskip("matplotlib")
+    drawn = plot.plot(merged, str(tmp_path), only=[names[0]])
+    assert all(Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in drawn)
+    with pytest.raises(ValueError, match="matches no finished run"):
+        plot.plot(merged, str(tmp_path), only=["no_such_run*"])
