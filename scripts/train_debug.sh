@@ -13,5 +13,6 @@ bash scripts/setup_env.sh
 
 NGPU=$(.venv/bin/python -c "import torch; print(torch.accelerator.device_count() if torch.accelerator.is_available() else 0)")
 NPROC=$(( NGPU > 0 ? NGPU : 2 ))
-exec .venv/bin/torchrun --nproc_per_node "$NPROC" --local-ranks-filter 0 \
+# The console shows rank 0; every rank's full output is also kept under outputs/torchrun_logs/.
+exec .venv/bin/torchrun --nproc_per_node "$NPROC" --local-ranks-filter 0 --log-dir outputs/torchrun_logs --tee 3 \
   -m dion3_titan.train --job.config_file "${CONFIG:-configs/llama3_debug_dion3.toml}" "$@"
