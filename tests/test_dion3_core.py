@@ -414,3 +414,41 @@ def test_resume_keeps_every_split_piece_variance_float32():
     run(ps2, opt2, range(2, 4))
     for a, b in zip(ps, ps2):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("flavor", ["muon", "normuon"])
+def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
+    """At f = 1 on one rank the step normalizes each momentum view straight into the NS batch;
+    the general path (float32 concatenation, then normalization) must give the same bits. Wide
+    and tall shape groups (the tall one selects the weight's columns) and a split-free group
+    of two matrices each."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(24, 40), (24, 40), (56, 16), (56, 16)]
+    params = [torch.randn(*s, generator=gen) for s in shapes]
+    grads = [[torch.randn(*s, generator=gen) for s in shapes] for _ in range(3)]
+
+    def run(force_general: bool) -> list[torch.Tensor]:
+        ps = [torch.nn.Parameter(p.clone()) for p in params]
+        opt = Dion3(ps, lr=0.02, fraction=1.0, flavor=flavor, ns_dtype="float32", backend="torch")
+        if force_general:
+            for sg in opt._groups:
+                sg.exchange.moves_data = True  # as if the batch had to travel: pack it first
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in ps]
+
+    from dion3_titan.optim import dion3 as dion3_module
+
+    calls = []
+    real = dion3_module.normalize_batch
+    monkeypatch.setattr(dion3_module, "normalize_batch", lambda views, *a: calls.append(views) or real(views, *a))
+    fast = run(False)
+    transposed = [dion3_module.is_transposed_batch(views) for views in calls]
+    assert len(calls) == 2 * len(grads) and set(transposed) == {False, True}  # both layouts took it
+    calls.clear()
+    general = run(True)
+    assert not calls
+    assert all(torch.equal(a, b) for a, b in zip(fast, general))
+    assert not all(torch.equal(a, p) for a, p in zip(fast, params))  # it did update
