@@ -3,7 +3,8 @@ initial weights and LR schedule for every optimizer, run one after another.
 
 Runs (in this order; ``--runs`` picks a subset by name prefix):
   adamw_lr<η>        AdamW on every parameter, at each lr of ``--adamw-lrs``
-then for each base lr of ``--matrix-lrs`` (suffix ``_lr<η>`` when there are several):
+then for each base lr of ``--matrix-lrs`` (suffix ``_lr<η>`` when there are several or the one
+value is not the default, ``_mu<μ>`` for a non-default ``--momentum``):
   muon_torch         torch.optim.Muon (its own conventions: Nesterov, lr x sqrt(max(1, out/in)))
   muon_plain         the Muon baseline: every row, standard NS5 with Muon's quintic, lr x
                      sqrt(out/in) (our engine; tests/test_dion3_core.py holds it to a textbook Muon)
@@ -353,7 +354,7 @@ def prmuon_available() -> str | None:
 
 def default_runs(args: argparse.Namespace) -> list[RunSpec]:
     """Every run, in order. Each orthogonalizing run is repeated per ``--matrix-lrs`` value
-    (names get an ``_lr`` suffix when there are several); ``--runs`` picks by name prefix."""
+    (names get ``_lr``/``_mu`` suffixes off the defaults); ``--runs`` picks by name prefix."""
     runs = [RunSpec(f"adamw_lr{lr:g}", "adamw", lr, label=f"AdamW, lr {lr:g}") for lr in args.adamw_lrs]
     f = args.fraction
     plain = {"fraction": 1.0, "ns_algorithm": "standard", "ns_coefficients": "muon"}

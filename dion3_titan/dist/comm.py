@@ -63,7 +63,6 @@ def _append_extra(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
 
 
 class ShardedExchange(Exchange):
-    moves_data = True
     """Matrices cut by one or more mesh dims (FSDP rows, TP rows or columns): per group, one
     ``all_to_all_single`` brings every shard's selected rows to the matrix's owner and one
     returns the results.
@@ -71,6 +70,8 @@ class ShardedExchange(Exchange):
     The gather group's ranks form a grid of row blocks x column blocks (``row_block[g]``,
     ``col_block[g]`` for group rank g). The owner lays the received blocks out on that grid.
     """
+
+    moves_data = True
 
     def __init__(
         self,
@@ -147,9 +148,10 @@ class ShardedExchange(Exchange):
 
 
 class ReplicatedExchange(Exchange):
-    moves_data = True
     """Whole matrices replicated on every rank of a group (DDP): each rank orthogonalizes its
     share and one ``all_gather_into_tensor`` hands every rank all results."""
+
+    moves_data = True
 
     def __init__(self, group, rank: int, owners: list[int], stats: CommStats) -> None:
         self.group = group

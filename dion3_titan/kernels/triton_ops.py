@@ -355,7 +355,7 @@ def num_sms(device: torch.device) -> int:
 
 
 def _tma_pays(a: torch.Tensor, n: int) -> bool:
-    L, block = a.shape[0], (TMA_CONFIG or SYM_CONFIG)[0]
+    L, block = a.shape[0], TMA_CONFIG[0]
     side = triton.cdiv(n, block)
     return L * side * (side + 1) // 2 >= TMA_MIN_TILES_PER_SM * num_sms(a.device)
 
