@@ -1,21 +1,41 @@
 #!/usr/bin/env bash
-# Create ./.venv with the project and its test tools, once; later calls return at once.
-# On a machine with an NVIDIA GPU and a CUDA build of torch already installed, the venv reuses
-# it (system site packages); otherwise it installs torch 2.13.0, whose CPU build pip takes
-# from the local wheel store (an unpinned torch would pull a multi-GB CUDA build).
+# Create a virtual environment with the project and its test tools; a later call returns at once.
+#
+#   bash scripts/setup_env.sh            # ./.venv, every package at its version in constraints.txt
+#   LATEST=1 VENV=.venv-latest bash scripts/setup_env.sh
+#                                        # the same packages at the newest versions pip resolves
+#                                        # (scripts/test_latest.sh; not used by CI)
+#
+# torch stays 2.13.0 in both: pip takes its CPU build from the local wheel store, while an
+# unpinned torch would pull a multi-GB CUDA build. On a machine with an NVIDIA GPU and a CUDA
+# build of torch already installed, the venv reuses that torch and triton (system site packages).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [[ -x .venv/bin/python ]] && .venv/bin/python -c "import dion3_titan, torchtitan, pytest" 2>/dev/null; then
+VENV=${VENV:-.venv}
+LATEST=${LATEST:-0}
+if [[ -x $VENV/bin/python ]] && [[ -f $VENV/.ready ]] && $VENV/bin/python -c "import dion3_titan, torchtitan, pytest" 2>/dev/null; then
   exit 0
 fi
-if command -v nvidia-smi >/dev/null 2>&1 && "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  "$PY" -m venv --system-site-packages .venv
-else
-  "$PY" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q torch==2.13.0
+pins=(-c constraints.txt)
+if (( LATEST )); then
+  pins=()
 fi
-.venv/bin/python -m pip install -q triton 'torchtitan==0.2.2' 'torchao==0.18.0' tokenizers tomli pytest pytest-timeout matplotlib
-.venv/bin/python -m pip install -q --no-deps -e .
-.venv/bin/python -c "import torch, torchtitan, dion3_titan; print('environment ready: torch', torch.__version__)"
+if command -v nvidia-smi >/dev/null 2>&1 && "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  "$PY" -m venv --system-site-packages "$VENV"
+  if (( ! LATEST )); then  # the system's CUDA torch and its triton stay as they are
+    grep -v -E '^(torch|triton)==' constraints.txt > "$VENV/constraints-gpu.txt"
+    pins=(-c "$VENV/constraints-gpu.txt")
+  fi
+  "$VENV"/bin/python -m pip install -q "${pins[@]}" --upgrade pip setuptools
+else
+  "$PY" -m venv "$VENV"
+  "$VENV"/bin/python -m pip install -q "${pins[@]}" --upgrade pip setuptools
+  "$VENV"/bin/python -m pip install -q "${pins[@]}" torch==2.13.0 triton
+fi
+"$VENV"/bin/python -m pip install -q "${pins[@]}" 'torchtitan==0.2.2' torchao tokenizers tomli datasets numpy \
+  pytest pytest-timeout matplotlib
+# no build isolation: the pinned setuptools above builds the package, not whatever is newest
+"$VENV"/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+"$VENV"/bin/python -c "import torch, triton, torchtitan, dion3_titan; print('environment ready in $VENV: torch', torch.__version__, '| triton', triton.__version__, '| torchtitan', torchtitan.__version__ if hasattr(torchtitan, '__version__') else '')"
+touch "$VENV/.ready"

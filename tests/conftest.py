@@ -1,7 +1,57 @@
-"""Shared test setup: tests marked ``gpu`` are skipped on machines without CUDA."""
+"""Shared test setup.
+
+- Tests marked ``gpu`` are skipped on machines without CUDA.
+- Random inputs: a test that draws fresh random inputs takes the ``seed`` fixture. One seed is
+  drawn per session (from ``DION3_TEST_SEED`` when set, else from the OS), shown in the report
+  header and on every failure of a test that used it, so a failing draw can be replayed.
+"""
+
+import os
 
 import pytest
 import torch
+
+SEED_ENV = "DION3_TEST_SEED"
+
+
+def _session_seed() -> int:
+    given = os.environ.get(SEED_ENV)
+    if given:
+        try:
+            return int(given)
+        except ValueError:
+            raise pytest.UsageError(f"{SEED_ENV}={given!r}: must be an integer") from None
+    return int.from_bytes(os.urandom(4), "little")
+
+
+SESSION_SEED = _session_seed()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"random test inputs: seed {SESSION_SEED} (replay with {SEED_ENV}={SESSION_SEED})"
+
+
+@pytest.fixture
+def seed() -> int:
+    """The session's seed; torch's global generators are seeded with it too."""
+    torch.manual_seed(SESSION_SEED)
+    return SESSION_SEED
+
+
+@pytest.fixture(scope="module")
+def module_seed() -> int:
+    """The session's seed for module-scoped fixtures (computed once per module)."""
+    return SESSION_SEED
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and {"seed", "module_seed"} & set(getattr(item, "fixturenames", ())):
+        report.sections.append(
+            ("random inputs", f"drawn from seed {SESSION_SEED}; replay with {SEED_ENV}={SESSION_SEED}")
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

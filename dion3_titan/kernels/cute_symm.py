@@ -6,7 +6,8 @@ accumulate, D in the input dtype. One persistent CTA per SM walks a triangular l
 warpgroup that streams A and B k-slices into a shared-memory ring with TMA (completion on
 mbarriers) and two consumer warpgroups that run wgmma on it (64 rows each). The epilogue
 converts the fp32 accumulators to the output dtype and stores the tile twice from registers:
-at (i, j) and, through a transposed view of D, at (j, i); diagonal tiles once.
+at (i, j) and, through a transposed view of D, at (j, i); a diagonal tile stores its lower
+triangle at both places, so the result is exactly symmetric by construction.
 
 Limits (the backend falls back to Triton outside them): CUDA SM90 only, n a multiple of 128,
 k a multiple of 8 and each operand with a unit stride in its n or k mode (TMA's 16-byte rule).
@@ -209,6 +210,7 @@ def _kernel_class() -> type:
                 gD0 = cute.local_tile(mD, (TILE, TILE), (0, 0, 0))
                 acc = cute.make_rmem_tensor(thr_mma.partition_C(gD0).shape, self.acc_dtype)
                 out = cute.make_rmem_tensor(acc.shape, mD.element_type)
+                tCcD = thr_mma.partition_C(cute.make_identity_tensor((TILE, TILE)))  # (row, col) in a tile
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
                 t = bidx
@@ -241,7 +243,7 @@ def _kernel_class() -> type:
                     ring.consumer_release(release)
                     release.advance()
 
-                    # epilogue: fp32 math, one rounding, two stores (one on the diagonal)
+                    # epilogue: fp32 math, one rounding, two stores
                     tCgD = thr_mma.partition_C(cute.local_tile(mD, (TILE, TILE), (ti, tj, batch)))
                     res = acc.load()
                     if cutlass.const_expr(self.has_c):
@@ -252,10 +254,18 @@ def _kernel_class() -> type:
                     else:
                         res = alpha * res
                     out.store(res.to(mD.element_type))
-                    cute.autovec_copy(out, tCgD)
+                    tCgDT = thr_mma.partition_C(cute.local_tile(mDT, (TILE, TILE), (ti, tj, batch)))
                     if ti != tj:
-                        tCgDT = thr_mma.partition_C(cute.local_tile(mDT, (TILE, TILE), (ti, tj, batch)))
+                        cute.autovec_copy(out, tCgD)
                         cute.autovec_copy(out, tCgDT)
+                    else:
+                        # a diagonal tile: its lower triangle in place and mirrored above the
+                        # diagonal, so the result is symmetric whatever the MMA's summation order
+                        for e in cutlass.range_constexpr(cute.size(out)):
+                            rc = tCcD[e]
+                            if rc[0] >= rc[1]:
+                                tCgD[e] = out[e]
+                                tCgDT[e] = out[e]
                     t += nblk
 
     return SymGemmSm90

@@ -1,7 +1,9 @@
 """Reference backend: every op of the kernel interface in plain PyTorch (CPU and any GPU).
 
 All matrix ops take batched operands (L, n, k) @ (L, k, m). The ``sym_*`` ops may assume the
-result is symmetric (only a kernel backend exploits that); here they are ordinary products.
+result is symmetric; here they are ordinary products whose lower triangle is then mirrored, so
+their result is exactly symmetric on every backend (a library product need not be: it may sum
+(i, j) and (j, i) in different orders).
 """
 
 import torch
@@ -28,6 +30,11 @@ def _fused_update_reference(
     weight.copy_(w32)
 
 
+def mirror_lower(x: torch.Tensor) -> torch.Tensor:
+    """x's lower triangle (diagonal included) and its transpose above the diagonal."""
+    return x.tril() + x.tril(-1).mT
+
+
 class TorchOps(Backend):
     name = "torch"
 
@@ -40,12 +47,12 @@ class TorchOps(Backend):
         return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(a, b)
+        return mirror_lower(torch.bmm(a, b))
 
     def sym_addmm(
         self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
     ) -> torch.Tensor:
-        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+        return mirror_lower(torch.baddbmm(c, a, b, beta=beta, alpha=alpha))
 
     def fused_update(
         self,

@@ -29,7 +29,7 @@ def _symmetric(L: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("k", [128, 640, 4096])
 @pytest.mark.parametrize("with_c", [False, True])
 @pytest.mark.parametrize("layout", ["x,x.mT", "xT.mT,xT", "r,r"])
-def test_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layout: str) -> None:
+def test_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int) -> None:
     from dion3_titan.kernels import triton_ops
     from dion3_titan.kernels.triton_ops import TritonOps
 
@@ -71,7 +71,7 @@ def test_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layo
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_sym_gemm_writes_every_element(dtype: torch.dtype) -> None:
+def test_sym_gemm_writes_every_element(dtype: torch.dtype, seed: int) -> None:
     """A NaN-filled output must come back finite: every tile, both triangles, was written."""
     from dion3_titan.kernels import triton_ops
 
@@ -87,7 +87,7 @@ def test_sym_gemm_writes_every_element(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("decay", [1.0, 0.98])
-def test_fused_update(dtype: torch.dtype, decay: float) -> None:
+def test_fused_update(dtype: torch.dtype, decay: float, seed: int) -> None:
     from dion3_titan.kernels.triton_ops import TritonOps
 
     B, R, C, k = 3, 1000, 777, 250
@@ -109,7 +109,7 @@ def test_fused_update(dtype: torch.dtype, decay: float) -> None:
         assert ((weight.float() - expected.float()).abs() <= ulp).all()
 
 
-def test_fused_update_cuda_graph() -> None:
+def test_fused_update_cuda_graph(seed: int) -> None:
     """lr and decay are read on the device: a captured update follows new values on replay."""
     from dion3_titan.kernels.triton_ops import TritonOps
 
@@ -150,7 +150,7 @@ def _cute_ready() -> bool:
 @pytest.mark.parametrize("k", [128, 640, 4096])
 @pytest.mark.parametrize("with_c", [False, True])
 @pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT"])
-def test_cute_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layout: str) -> None:
+def test_cute_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int) -> None:
     if not _cute_ready():
         pytest.skip("CuteDSL or an SM90 GPU missing")
     from dion3_titan.kernels import cute_symm
