@@ -35,7 +35,9 @@ else
 fi
 "$VENV"/bin/python -m pip install -q "${pins[@]}" 'torchtitan==0.2.2' torchao tokenizers tomli datasets numpy \
   pytest pytest-timeout matplotlib
-# no build isolation: the pinned setuptools above builds the package, not whatever is newest
-"$VENV"/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+# Built by the pinned setuptools (--build-constraint). -qq: setuptools prints a notice on every
+# editable install, whatever the project; tests/test_packaging.py builds our wheel with every
+# warning shown and fails on any.
+"$VENV"/bin/python -m pip install -qq --no-deps --build-constraint constraints.txt -e .
 "$VENV"/bin/python -c "import torch, triton, torchtitan, dion3_titan; print('environment ready in $VENV: torch', torch.__version__, '| triton', triton.__version__, '| torchtitan', torchtitan.__version__ if hasattr(torchtitan, '__version__') else '')"
 touch "$VENV/.ready"
