@@ -261,7 +261,7 @@ def _kernel_class() -> type:
                     else:
                         # a diagonal tile: its lower triangle in place and mirrored above the
                         # diagonal, so the result is symmetric whatever the MMA's summation order
-                        for e in cutlass.range_constexpr(cute.size(out)):
+                        for e in cutlass.range(cute.size(out), unroll_full=True):
                             rc = tCcD[e]
                             if rc[0] >= rc[1]:
                                 tCgD[e] = out[e]

@@ -3,7 +3,7 @@
 Symmetric GEMM. For (L, n, k) @ (L, k, n) whose product is symmetric (X X^T, b R + c R^2, ...)
 only the output tiles on or below the diagonal are computed: T(T+1)/2 of the T^2 tiles for
 T = ceil(n / BLOCK). Each off-diagonal tile is stored twice, at (i, j) and transposed at (j, i);
-a diagonal tile keeps its lower triangle and writes that triangle's mirror above it. So the
+a diagonal tile replaces its upper triangle by the transpose of its lower one before its store. So the
 result is exactly symmetric by construction: no element relies on the dot accumulating (i, j)
 and (j, i) in the same order (Triton's CPU interpreter does not). That halves the FLOPs of the
 product and leaves the bytes written unchanged.
@@ -87,14 +87,6 @@ def _round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _mirror_lower(res, BLOCK: tl.constexpr):
-    """A diagonal tile made exactly symmetric: its lower triangle (diagonal included) and, above
-    the diagonal, that triangle's transpose."""
-    r = tl.arange(0, BLOCK)
-    return tl.where(r[:, None] >= r[None, :], res, tl.trans(res))
-
-
-@triton.jit
 def _sym_gemm_kernel(
     a_ptr, b_ptr, c_ptr, out_ptr,
     n, k,
@@ -155,12 +147,11 @@ def _sym_gemm_kernel(
 
     res = _round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
     out_base = out_ptr + batch * s_ob
+    if ti == tj:  # the lower triangle and its mirror: exactly symmetric by construction
+        res = tl.where(rows[:, None] >= cols[None, :], res, tl.trans(res))
     mask = (rows[:, None] < n) & (cols[None, :] < n)
-    if ti == tj:
-        tl.store(out_base + rows[:, None] * s_om + cols[None, :] * s_on, _mirror_lower(res, BLOCK), mask=mask)
-    else:
-        tl.store(out_base + rows[:, None] * s_om + cols[None, :] * s_on, res, mask=mask)
-        # the mirrored tile (j, i)
+    tl.store(out_base + rows[:, None] * s_om + cols[None, :] * s_on, res, mask=mask)
+    if ti != tj:
         mask_t = (cols[:, None] < n) & (rows[None, :] < n)
         tl.store(out_base + cols[:, None] * s_om + rows[None, :] * s_on, tl.trans(res), mask=mask_t)
 
@@ -209,10 +200,11 @@ def _sym_gemm_tma_kernel(
         else:
             acc = alpha * acc
         res = _round_to(acc, out_desc.dtype, INTERPRET)
-        if ti == tj:
-            out_desc.store([batch * n + ti * BLOCK, ti * BLOCK], _mirror_lower(res, BLOCK))
-        else:
-            out_desc.store([batch * n + ti * BLOCK, tj * BLOCK], res)
+        if ti == tj:  # see _sym_gemm_kernel
+            r = tl.arange(0, BLOCK)
+            res = tl.where(r[:, None] >= r[None, :], res, tl.trans(res))
+        out_desc.store([batch * n + ti * BLOCK, tj * BLOCK], res)
+        if ti != tj:
             out_desc.store([batch * n + tj * BLOCK, ti * BLOCK], tl.trans(res))
 
 
