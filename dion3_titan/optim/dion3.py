@@ -189,7 +189,7 @@ class Dion3(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every floating state tensor to its parameter's dtype; NorMuon's second
         # moment must stay float32 (bf16 loses it, and the float32 scatter into it fails).
-        var_keys: dict[int, set[str]] = {}  # a split parameter has one second moment per piece
+        var_keys: dict[int, set[str]] = {}  # a split parameter may have several (plan.Member.variance_key)
         for sg in self._groups:
             for m in sg.members:
                 var_keys.setdefault(id(m.param), set()).add(m.variance_key)
