@@ -2,8 +2,9 @@
 
 Row selection, the gathers, Gram NS, the scatters, the fused updates and AdamW issue many
 small kernels; replaying a CUDA graph turns their host cost into one launch. The learning
-rate and weight decay stay live: they are device tensors refreshed before every replay, so
-LR schedules (torchtitan's LambdaLR) still apply.
+rate and the matrices' weight decay stay live: they are device tensors refreshed before every
+replay, so LR schedules (torchtitan's LambdaLR) still apply. An AdamW group's weight decay,
+betas and eps are constants of the graph: changing one re-captures.
 """
 
 import weakref
