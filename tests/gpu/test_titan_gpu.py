@@ -97,6 +97,7 @@ def test_torchtitan_train_entry_point_with_custom_config_module(tmp_path: Path) 
         "--master_port", str(_free_port()), "--local-ranks-filter", "0", "-m", "torchtitan.train",
         "--job.config_file", str(config), "--job.custom_config_module", "dion3_titan.job_config",
         "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "6", "--validation.no-enable",
+        "--lr_scheduler.warmup_steps", "2",
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
