@@ -27,7 +27,7 @@ from torchtitan.tools.logging import logger
 
 from dion3_titan.metrics import OptimizerMetrics
 from dion3_titan.optim.config import Dion3Config
-from dion3_titan.optim.cuda_graph import GraphedOptimizer
+from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup
 from dion3_titan.optim.dion3 import Dion3
 from dion3_titan.optim.prmuon import PeriodicRowwiseMuon, PRMuonConfig
 from dion3_titan.optim.routing import build_param_groups
@@ -162,9 +162,15 @@ class Dion3OptimizersContainer(OptimizersContainer):
 
     def _step_runners(self, cfg: OptimizerConfig) -> list:
         """What ``step`` calls per model part: the optimizer, or its captured step."""
+        warmup = getattr(cfg, "cuda_graph_warmup", None)
+        if warmup is not None:  # checked even with cuda_graph off: a bad value is never ignored
+            try:
+                check_warmup(warmup)
+            except ValueError as e:
+                raise ValueError(f"[optimizer] {e}") from e
         if not getattr(cfg, "cuda_graph", None):
             return list(self.optimizers)
-        warmup = getattr(cfg, "cuda_graph_warmup", None) or 3
+        graph_options = {} if warmup is None else {"warmup_steps": warmup}
         if NAMES[cfg.name].cls is not Dion3:
             raise ValueError(
                 f"[optimizer] cuda_graph=true is not supported with name={cfg.name!r}: its refresh and "
@@ -172,7 +178,7 @@ class Dion3OptimizersContainer(OptimizersContainer):
             )
         if not torch.cuda.is_available():
             raise ValueError("[optimizer] cuda_graph=true needs a CUDA GPU; set cuda_graph=false on this machine")
-        return [GraphedOptimizer(o, warmup_steps=warmup) for o in self.optimizers]
+        return [GraphedOptimizer(o, **graph_options) for o in self.optimizers]
 
     def step(self, *args, **kwargs) -> None:
         self._step += 1

@@ -382,9 +382,9 @@ def test_routing_helpers():
 
 
 def test_resume_keeps_every_split_piece_variance_float32():
-    """A parameter split into pieces (split_heads) has one NorMuon second moment per piece; after
-    load_state_dict every one is still float32 (not the bf16 parameter dtype) and the resumed
-    run is bit-exact."""
+    """A parameter split into pieces (split_heads) keeps its pieces' NorMuon second moments in
+    one state over its rows; after load_state_dict it is still float32 (not the bf16 parameter
+    dtype) and the resumed run is bit-exact."""
     names = ["layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight"]
     shapes = [(16, 48), (48, 16)]
 
@@ -401,7 +401,7 @@ def test_resume_keeps_every_split_piece_variance_float32():
 
     ps, opt = build([p.detach() for p in make_params(8, torch.bfloat16, shapes)])
     keys = [k for k in opt.state[ps[0]] if k.startswith("variance")]
-    assert len(keys) == 2  # one per head block
+    assert keys == ["variance"] and opt.state[ps[0]]["variance"].shape == (16,)  # both head blocks' rows
     run(ps, opt, range(2))
     saved, saved_params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in ps]
     run(ps, opt, range(2, 4))

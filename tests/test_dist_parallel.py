@@ -1,6 +1,7 @@
-"""Dion3 under HSDP (2 x 2), FSDP x TP (2 x 2, colwise and rowwise linears) and EP = 2 with
-expert weights, on 4 gloo ranks, equals the single-process textbook update fed the same
-gradients (global scope; f = 1 is scope-free)."""
+"""Dion3 under HSDP (2 x 2), FSDP x TP (2 x 2, colwise and rowwise linears), EP = 2 with
+expert weights, and EP = 2 under FSDP2 as torchtitan applies it (the experts _StridedShard on
+their expert dim, or FSDP on their rows), on 4 gloo ranks, equals the single-process textbook
+update fed the same gradients (global scope; f = 1 is scope-free)."""
 
 import pytest
 import torch
@@ -114,7 +115,55 @@ def _ep_worker(rank, world, cfg, out):
     _check(rank, world, model, full, grads, (cfg[0], cfg[1], "global" if cfg[0] < 1 else cfg[2]), out)
 
 
-@pytest.mark.parametrize("worker", [_hsdp_worker, _tp_worker, _ep_worker], ids=["hsdp", "fsdp_tp", "ep"])
+class Experts(nn.Module):
+    def __init__(self, full: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.w1, self.w2 = (nn.Parameter(w.clone()) for w in full)
+
+
+def _ep_fsdp(rank, world, cfg, out, fsdp_dim):
+    """torchtitan's EP x FSDP: EP shards the experts (Shard(0) on the ep mesh dim), then
+    fully_shard on the efsdp dim shards them again, on the expert dim (FSDP's default: the
+    placement becomes _StridedShard) or on the rows (its Shard(1) placement function)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(4, 24, 40, generator=gen), torch.randn(4, 40, 24, generator=gen)]
+    experts = Experts(full)
+    for name, p in list(experts.named_parameters()):
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh["ep"], [Shard(0)])))
+    fully_shard(experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p: Shard(fsdp_dim))
+    params = list(experts.parameters())
+    strided = [type(p.placements[0]).__name__ == "_StridedShard" for p in params]
+    assert strided == [fsdp_dim == 0] * 2, [p.placements for p in params]
+    opt = _dion3(params, cfg)
+    grads = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(500 + step)
+        gs = [torch.randn(w.shape, generator=g) for w in full]
+        for p, gg in zip(params, gs):
+            p.grad = distribute_tensor(gg, p.device_mesh, p.placements, src_data_rank=None)
+        grads.append(gs)
+        opt.step()
+    _check(rank, world, experts, full, grads, (cfg[0], cfg[1], "global" if cfg[0] < 1 else cfg[2]), out)
+
+
+def _ep_fsdp_experts_worker(rank, world, cfg, out):
+    _ep_fsdp(rank, world, cfg, out, fsdp_dim=0)
+
+
+def _ep_fsdp_rows_worker(rank, world, cfg, out):
+    _ep_fsdp(rank, world, cfg, out, fsdp_dim=1)
+
+
+@pytest.mark.parametrize(
+    "worker",
+    [_hsdp_worker, _tp_worker, _ep_worker, _ep_fsdp_experts_worker, _ep_fsdp_rows_worker],
+    ids=["hsdp", "fsdp_tp", "ep", "ep_fsdp_strided", "ep_fsdp_rows"],
+)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["f1-muon", "f0.25-normuon-global"])
 def test_parallel_layouts_match_single_process(tmp_path, worker, cfg):
     out = tmp_path / "r.pt"

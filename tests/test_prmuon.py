@@ -188,6 +188,13 @@ def test_bad_options_raise(options, key):
         PeriodicRowwiseMuon([torch.nn.Parameter(torch.randn(4, 4))], **options)
 
 
+@pytest.mark.parametrize("options", [{"split_specs": "pattern=w;chunks=2"}, {"split_heads": 2}], ids=["specs", "heads"])
+def test_split_keys_are_refused(options):
+    """RowNorm steps work on whole matrices: splitting is refused by name, not ignored."""
+    with pytest.raises(ValueError, match=r"split_specs/split_heads are not supported .* name='prmuon'"):
+        PeriodicRowwiseMuon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "names": ["w"]}], **options)
+
+
 def test_bad_group_options_raise():
     p = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(ValueError, match="param group 0: fraction"):

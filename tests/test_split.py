@@ -180,8 +180,8 @@ def _worker(rank, world, out_path):
 def test_fused_equals_separate_single_process(fraction, flavor):
     r = run_pair(fraction, flavor)
     assert r["diff"] < 1, r["diff"]
-    if flavor == "normuon":  # one NorMuon state per piece
-        assert {"variance", "variance.0", "variance.1", "variance.2", "variance.3"} <= set(r["keys"])
+    if flavor == "normuon":  # pieces that select rows share their parameter's row state
+        assert "variance" in r["keys"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -197,13 +197,11 @@ def test_fused_equals_separate_fsdp(tmp_path, world):
     assert len(results) == len(configs)
     for config, r in zip(configs, results):
         assert r["diff"] < 1, (world, config, r["diff"])
-    # NorMuon state: a DTensor where the piece's rows are spread like torch.chunk would (expert
-    # stacks: FSDP cuts the expert dim, not the rows), else this rank's plain local part
-    state = results[len(DIST_CONFIGS) - 1]["dtensor_state"]
-    assert state["layers.0.moe.experts.mlp1_weight[0]"] and state["layers.0.attention.wo.weight"]
-    assert not state["layers.0.attention.wqkv.weight[0]"]  # Q lives on the first ranks only
-    if world == 4:  # TP's row Shard splits interleaved gate/up rows evenly: DTensor state
-        assert results[-1]["dtensor_state"]["layers.0.moe.experts.mlp1_weight[1]"]
+    # NorMuon state is a DTensor like the parameter's rows for every piece, including those the
+    # shards cut unevenly (Q lives on the first ranks only): DCP reshards it
+    # (tests/test_split_checkpoint.py)
+    for r in results[len(DIST_CONFIGS) - 1 :]:
+        assert r["dtensor_state"] and all(r["dtensor_state"].values()), r["dtensor_state"]
 
 
 def test_fused_matches_textbook_reference():

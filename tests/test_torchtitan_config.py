@@ -65,6 +65,59 @@ def test_name_conflicts_and_unsupported_modes(args: tuple[str, ...], words: list
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
+def test_prmuon_refuses_split_keys_and_skips_auto_split() -> None:
+    """name='prmuon': split_specs/split_heads stop the build with their names; split_auto
+    (on by default) adds nothing, so a fused weight stays one matrix."""
+    import torch
+
+    from dion3_titan.optim.split import auto_split_specs
+    from dion3_titan.plugin import build_dion3_optimizers
+
+    model, attention = torch.nn.Module(), torch.nn.Module()
+    attention.wqkv = torch.nn.Linear(8, 24, bias=False)  # a fused QKV (Q 12 | K 6 | V 6 rows)
+    attention.n_heads, attention.n_kv_heads, attention.head_dim = 2, 1, 6
+    model.attention = attention
+    assert auto_split_specs(model)  # what name='dion3' would split
+    for key, value in (("split_heads", "2"), ("split_specs", "pattern=attention.wqkv.weight;chunks=3")):
+        cfg = _titan_config("--optimizer.name", "prmuon", f"--optimizer.{key}", value)
+        with pytest.raises(ValueError, match=r"split_specs/split_heads are not supported"):
+            build_dion3_optimizers([model], cfg.optimizer, parallel_dims=None)
+    cfg = _titan_config("--optimizer.name", "prmuon", "--optimizer.split_auto", "True")
+    (opt,) = build_dion3_optimizers([model], cfg.optimizer, parallel_dims=None).optimizers
+    assert [(m.name, m.piece) for sg in opt._groups for m in sg.members] == [("attention.wqkv.weight", None)]
+
+
+@pytest.mark.parametrize("warmup", ["0", "-2"])
+@pytest.mark.parametrize("graph", [True, False], ids=["cuda_graph", "no_graph"])
+def test_cuda_graph_warmup_below_one_is_refused(warmup: str, graph: bool) -> None:
+    """A warm-up of 0 is refused with the key and what it allows (it once became 3 silently),
+    before the container needs a GPU, and even when cuda_graph is off."""
+    import torch
+
+    from dion3_titan.plugin import build_dion3_optimizers
+
+    cfg = _titan_config("--optimizer.name", "dion3", "--optimizer.cuda_graph_warmup", warmup,
+                        *(["--optimizer.cuda_graph", "True"] if graph else []))
+    with pytest.raises(ValueError) as err:
+        build_dion3_optimizers([torch.nn.Linear(8, 8)], cfg.optimizer, parallel_dims=None)
+    assert f"[optimizer] cuda_graph_warmup={warmup}: must be an integer >= 1" in str(err.value), str(err.value)
+
+
+def test_cuda_graph_warmup_one_is_accepted() -> None:
+    import torch
+
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+    from dion3_titan.optim.dion3 import Dion3
+    from dion3_titan.plugin import build_dion3_optimizers
+
+    cfg = _titan_config("--optimizer.name", "dion3", "--optimizer.cuda_graph_warmup", "1")
+    build_dion3_optimizers([torch.nn.Linear(8, 8)], cfg.optimizer, parallel_dims=None)  # graph off: eager
+    opt = Dion3([torch.nn.Parameter(torch.randn(8, 8))])
+    assert GraphedOptimizer(opt, warmup_steps=1).warmup_steps == 1
+    with pytest.raises(ValueError, match=r"cuda_graph_warmup=0: must be an integer >= 1"):
+        GraphedOptimizer(opt, warmup_steps=0)
+
+
 # ------------------------------------------------------------------ real launches
 def _with_optimizer_line(tmp_path: Path, old: str, new: str) -> Path:
     text = LLAMA.read_text()

@@ -76,9 +76,6 @@ class MatrixLayout:
     # Rows of dim -2 held by each coordinate of the mesh dims that cut dim -2 (row-major over
     # those dims; () when dim -2 is whole on every rank). Rank-independent: part of the group key.
     row_counts: tuple[int, ...] = ()
-    # The piece's rows are spread over the ranks as torch.chunk would spread them (or are not
-    # cut at all): its NorMuon state can be a DTensor like the parameter's.
-    piece_chunked: bool = True
 
     @property
     def d_out(self) -> int:
@@ -259,14 +256,9 @@ def describe(param: torch.Tensor, selection_dim: str, piece: slice | None = None
     n_local = len(range(local_piece.start, local_piece.stop, local_piece.step))
     piece_local = (*local_shape[:-2], n_local, local_shape[-1])
     counts = _row_counts(rows, cuts, (piece.start, piece.stop, piece.step)) if cuts else ()
-    chunked = not cuts or (
-        len(cuts) == 1
-        and type(cuts[0][0]).__name__ != "_StridedShard"
-        and counts == tuple(_row_counts(piece_global[-2], cuts, None))
-    )
     return MatrixLayout(
         piece_global, piece_local, row_dim, tuple(shards), tuple(replicas), mesh,
-        piece=piece, local_piece=local_piece, row_counts=counts, piece_chunked=chunked,
+        piece=piece, local_piece=local_piece, row_counts=counts,
     )
 
 
@@ -293,11 +285,6 @@ def row_state(param: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
     shape = (*layout.local_shape[:-2], layout.local_rows)
     zeros = torch.zeros(shape, dtype=torch.float32, device=local.device)
     if not is_dtensor(param):
-        return zeros
-    if layout.row_dim == -2 and not layout.piece_chunked:
-        # A piece whose rows the shards cut unevenly (not as torch.chunk would): no DTensor
-        # placement describes it, so its state is this rank's plain local part. (DCP cannot
-        # reshard it; checkpoints need the same sharding to load.)
         return zeros
     ndim = len(shape)
     placements = []

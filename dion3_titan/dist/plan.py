@@ -38,8 +38,19 @@ class Member:
 
     @property
     def variance_key(self) -> str:
-        """State key of this member's NorMuon second moment (one per piece)."""
-        return "variance" if self.piece_index is None else f"variance.{self.piece_index}"
+        """State key of this member's NorMuon second moment. A piece that selects rows reads
+        its rows of the parameter's one row state ("variance", over all of dim -2): a state
+        laid out like the parameter's rows reshards under any sharding, however the shards
+        cut the piece. A piece that selects columns has a state of its own."""
+        if self.piece_index is None or self.layout.row_dim == -2:
+            return "variance"
+        return f"variance.{self.piece_index}"
+
+    def variance_view(self, local: torch.Tensor) -> torch.Tensor:
+        """(B, R) view of this member's rows in the local part of its ``variance_key`` state."""
+        if self.piece_index is not None and self.layout.row_dim == -2:
+            local = local[..., self.layout.local_piece]
+        return local.view(self.layout.batch, self.layout.local_rows)
 
     def view(self, local: torch.Tensor) -> torch.Tensor:
         """(B, R, C) view of this member in a local tensor shaped like the parameter's shard

@@ -2,8 +2,9 @@
 
 Row selection, the gathers, Gram NS, the scatters, the fused updates and AdamW issue many
 small kernels; replaying a CUDA graph turns their host cost into one launch. The learning
-rate and weight decay stay live: they are device tensors refreshed before every replay, so
-LR schedules (torchtitan's LambdaLR) still apply.
+rate and the matrices' weight decay stay live: they are device tensors refreshed before every
+replay, so LR schedules (torchtitan's LambdaLR) still apply. An AdamW group's weight decay,
+betas and eps are constants of the graph: changing one re-captures.
 """
 
 import weakref
@@ -22,6 +23,16 @@ def release_all() -> None:
         g.release()
 
 
+def check_warmup(steps) -> None:
+    """The number of eager steps before capture: at least one, because kernels compile and
+    buffers are allocated there, which capture cannot do."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"cuda_graph_warmup={steps!r}: must be an integer >= 1 (eager steps before capture: "
+            "kernels compile and buffers are allocated there, which capture cannot do)"
+        )
+
+
 class GraphedOptimizer:
     """Wraps a ``Dion3``: eager for ``warmup_steps`` steps (compiling kernels, allocating
     buffers), then capture once and replay every step.
@@ -33,8 +44,7 @@ class GraphedOptimizer:
     """
 
     def __init__(self, optimizer, warmup_steps: int = 3) -> None:
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps={warmup_steps!r}: must be >= 1 (kernels compile and buffers settle eagerly)")
+        check_warmup(warmup_steps)
         self.optimizer = optimizer
         self.warmup_steps = warmup_steps
         self._eager_steps = 0
@@ -52,9 +62,11 @@ class GraphedOptimizer:
 
     def _signature(self) -> tuple:
         """What a captured step bakes in: the state tensors (``state_version``; Dion3 refuses
-        new param groups after construction) and the AdamW constants read as Python floats."""
+        new param groups after construction) and the AdamW groups' constants, which torch's
+        AdamW reads as Python floats. (Matrix groups read lr and weight decay live.)"""
         opt = self.optimizer
-        return (opt.state_version, *((g["weight_decay"], g["eps"], *g["betas"]) for g in opt.param_groups if "betas" in g))
+        adamw = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
+        return (opt.state_version, *((g["weight_decay"], g["eps"], *g["betas"]) for g in adamw))
 
     def step(self, closure=None):
         # The replay path is the hot path: a handful of Python comparisons, one small host-to-

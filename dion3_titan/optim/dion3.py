@@ -156,8 +156,10 @@ class Dion3(torch.optim.Optimizer):
                 st = self.state[m.param]
                 if "momentum" not in st:  # one per parameter, shared by its pieces
                     st["momentum"] = zeros_like_param(m.param)
-                if cfg.flavor == "normuon":
-                    st[m.variance_key] = row_state(m.param, m.layout)
+                if cfg.flavor == "normuon" and m.variance_key not in st:
+                    # pieces that select rows share one state over the parameter's rows
+                    shares = m.piece is not None and m.layout.row_dim == -2
+                    st[m.variance_key] = row_state(m.param, describe(m.param, "rows") if shares else m.layout)
         for group, cfg in zip(self.param_groups, self._configs):
             if cfg is not None:
                 continue
@@ -187,7 +189,7 @@ class Dion3(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every floating state tensor to its parameter's dtype; NorMuon's second
         # moment must stay float32 (bf16 loses it, and the float32 scatter into it fails).
-        var_keys: dict[int, set[str]] = {}  # a split parameter has one second moment per piece
+        var_keys: dict[int, set[str]] = {}  # a split parameter may have several (plan.Member.variance_key)
         for sg in self._groups:
             for m in sg.members:
                 var_keys.setdefault(id(m.param), set()).add(m.variance_key)
@@ -429,7 +431,7 @@ class Dion3(torch.optim.Optimizer):
 
     def _variance(self, m) -> torch.Tensor:
         """(B, R) local view of a member's NorMuon second moment."""
-        return to_local(self.state[m.param][m.variance_key]).view(m.layout.batch, m.layout.local_rows)
+        return m.variance_view(to_local(self.state[m.param][m.variance_key]))
 
     @staticmethod
     def _every_row(sg: ShapeGroup, cfg: Dion3Config) -> bool:

@@ -1,5 +1,5 @@
 """A captured optimizer step gives bit-identical parameters to eager steps (1 GPU, and 2 GPUs
-with FSDP2 over NCCL), with a live learning-rate schedule."""
+with FSDP2 over NCCL), with a live learning-rate schedule and live weight-decay changes."""
 
 import copy
 
@@ -25,7 +25,9 @@ def _grads(step, device):
     return [torch.randn(s, generator=g).to(device) for s in SHAPES]
 
 
-def _train(model, graphed: bool, fraction: float, flavor: str, steps: int, device):
+def _train(model, graphed: bool, fraction: float, flavor: str, steps: int, device, wd_changes=None):
+    """Final parameters and the number of graph captures. ``wd_changes``: {step: (matrix
+    weight decay, AdamW weight decay)}, set before that step."""
     from dion3_titan import Dion3
     from dion3_titan.optim.cuda_graph import GraphedOptimizer
 
@@ -35,26 +37,47 @@ def _train(model, graphed: bool, fraction: float, flavor: str, steps: int, devic
                 fraction=fraction, flavor=flavor, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
+    captures, graph = 0, None
     for step in range(steps):
+        if step in (wd_changes or {}):
+            for group, wd in zip(opt.param_groups, wd_changes[step]):
+                group["weight_decay"] = wd
         for p, g in zip(model, _grads(step, device)):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(g)
         runner.step()
         sched.step()
+        if graphed and runner._graph is not graph:  # this step captured a graph
+            captures, graph = captures + 1, runner._graph
     torch.cuda.synchronize()
     if graphed:
         runner.release()
-    return [p.detach().clone() for p in model]
+    return [p.detach().clone() for p in model], captures
 
 
 @pytest.mark.parametrize("fraction,flavor", [(1.0, "muon"), (0.25, "normuon")])
 def test_graph_equals_eager_one_gpu(fraction, flavor):
     base = _model("cuda")
-    eager = _train(copy.deepcopy(base), False, fraction, flavor, 20, "cuda")
-    graphed = _train(copy.deepcopy(base), True, fraction, flavor, 20, "cuda")
+    eager, _ = _train(copy.deepcopy(base), False, fraction, flavor, 20, "cuda")
+    graphed, _ = _train(copy.deepcopy(base), True, fraction, flavor, 20, "cuda")
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
+
+
+def test_live_weight_decay_change_under_graph():
+    """Weight decay changed after capture: the matrices' value is read live (no re-capture),
+    the AdamW group's is baked into the graph (torch's AdamW takes it as a float), so changing
+    it re-captures. Both give the eager run's bits."""
+    changes = {6: (0.3, 0.1), 9: (0.3, 0.05), 12: (0.0, 0.05), 15: (0.0, 0.0)}
+    base = _model("cuda")
+    eager, _ = _train(copy.deepcopy(base), False, 0.25, "normuon", 18, "cuda", changes)
+    graphed, captures = _train(copy.deepcopy(base), True, 0.25, "normuon", 18, "cuda", changes)
+    assert captures == 3  # the first capture, then the AdamW changes at steps 9 and 15
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+    unchanged, _ = _train(copy.deepcopy(base), False, 0.25, "normuon", 18, "cuda")
+    assert all(not torch.equal(a, b) for a, b in zip(eager, unchanged))  # the changes took effect
 
 
 def _fsdp_worker(rank, world, out_path):

@@ -1,12 +1,16 @@
 """Real torchtitan training on the GPU(s): a captured optimizer step (cuda_graph = true) trains,
-checkpoints, resumes exactly and exits cleanly; gpt_oss trains with its mlp1 split."""
+checkpoints, resumes exactly and exits cleanly; gpt_oss trains with its mlp1 split; torchtitan's
+own entry point (`python -m torchtitan.train`) trains with the plugin."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.titan_helpers import CONFIGS, ensure_corpus, run_titan
+from tests.titan_helpers import CONFIGS, REPO, _free_port, ensure_corpus, logged_losses, run_titan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -77,3 +81,28 @@ def test_float8_fsdp_float8_all_gather_trains(tmp_path: Path) -> None:
 def _dion3_group(record: dict) -> dict:
     (part,) = record["optimizers"]["parts"]
     return next(g for g in part["groups"] if g["algorithm"] == "dion3")
+
+
+def test_torchtitan_train_entry_point_with_custom_config_module(tmp_path: Path) -> None:
+    """docs/training.md: `torchrun ... -m torchtitan.train --job.custom_config_module
+    dion3_titan.job_config` registers the plugin, so `name = "dion3"` builds Dion3. The config
+    here has no custom_config_module line: the command-line flag alone must do it."""
+    ensure_corpus()
+    text = (CONFIGS / "llama3_debug_gpu_dion3.toml").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("custom_config_module"))
+    config = tmp_path / "no_module.toml"
+    config.write_text(text.replace(line, ""))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torch.cuda.device_count()),
+        "--master_port", str(_free_port()), "--local-ranks-filter", "0", "-m", "torchtitan.train",
+        "--job.config_file", str(config), "--job.custom_config_module", "dion3_titan.job_config",
+        "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "6", "--validation.no-enable",
+        "--lr_scheduler.warmup_steps", "2",
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "[dion3] optimizer 'dion3'" in output and "-> Dion3" in output, output[-4000:]
+    losses = logged_losses(output)
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1], losses
