@@ -110,9 +110,11 @@ class NonfiniteGuard:
 
     def found_inf(self) -> torch.Tensor:
         """torch's fused-AdamW skip flag: 1.0 when not ``ok``."""
-        return (1.0 - self.ok).reshape(())
+        return 1.0 - self.ok
 
-    def orthogonalized(self, batches: Sequence[NSBatch], sync_check: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def orthogonalized(
+        self, batches: Sequence[NSBatch], sync_check: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The batches' results with no non-finite matrix, and which matrices were not finite
         (counted). With ``sync_check`` (eager steps: one host read for every batch, and the
         gradient flag read with it) they are recomputed (``repair_nonfinite``); without it
@@ -121,13 +123,16 @@ class NonfiniteGuard:
         for bad in bads:
             self._count_ns(bad)
         if not sync_check:
-            return [torch.where(bad[:, None, None], torch.zeros_like(b.out), b.out) for b, bad in zip(batches, bads)], bads
-        anys = torch.stack([bad.any() for bad in bads]).float() if bads else None
-        if self._flags is not None and self._host is None and anys is not None:
+            zeroed = [torch.where(bad[:, None, None], torch.zeros_like(b.out), b.out) for b, bad in zip(batches, bads)]
+            return zeroed, bads
+        if not bads:
+            return [], []
+        anys = torch.stack([bad.any() for bad in bads]).float()
+        if self._flags is not None and self._host is None:  # this step's gradient flag, same read
             values = torch.cat([self._flags, anys]).tolist()
             self._host, any_bad = values[: len(self._flags)], values[len(self._flags) :]
         else:
-            any_bad = anys.tolist() if anys is not None else []
+            any_bad = anys.tolist()
         outs = [
             repair_nonfinite(b.x, b.out, bad, b.settings, b.backend, b.tall) if flag else b.out
             for b, bad, flag in zip(batches, bads, any_bad)
