@@ -1,6 +1,6 @@
 """Newton-Schulz orthogonalization: Gram NS (paper Alg. 3) vs standard NS vs the exact
 polynomial, fp16 stability with the restart after iteration 2 (App. B.2), the injected
--4e-4 Gram eigenvalue of App. B.2.1, and ``orthogonalize_checked``'s non-finite handling."""
+-4e-4 Gram eigenvalue of App. B.2.1, and the non-finite result check (optim/nonfinite.py)."""
 
 import pytest
 import torch
@@ -14,9 +14,9 @@ from dion3_titan.optim.orthogonalize import (
     is_transposed_batch,
     normalize_batch,
     orthogonalize,
-    orthogonalize_checked,
     standard_newton_schulz,
 )
+from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
 from tests.reference import ns_polynomial_via_svd
 
 pytestmark = pytest.mark.timeout(120)
@@ -207,7 +207,14 @@ def test_injected_negative_gram_eigenvalue_needs_restart():
     assert torch.linalg.svdvals(q_only).max() > 1e3
 
 
-# ------------------------------------------------------------------------------ orthogonalize_checked
+# ------------------------------------------------------------------------------ non-finite NS results
+def orthogonalize_checked(x, settings, backend, sync_check=True):
+    """orthogonalize, then the optimizer's non-finite check on its result (one batch)."""
+    out = orthogonalize(x, settings, backend)
+    outs, bads = NonfiniteGuard("raise").orthogonalized([NSBatch(x, out, settings, backend)], sync_check)
+    return outs[0], bads[0]
+
+
 class CorruptFirstGram(TorchOps):
     """Corrupts matrix ``which`` of the batch in the first ``times`` Gram products."""
 

@@ -4,7 +4,9 @@ Row selection, the gathers, Gram NS, the scatters, the fused updates and AdamW i
 small kernels; replaying a CUDA graph turns their host cost into one launch. The learning
 rate and the matrices' weight decay stay live: they are device tensors refreshed before every
 replay, so LR schedules (torchtitan's LambdaLR) still apply. An AdamW group's weight decay,
-betas and eps are constants of the graph: changing one re-captures.
+betas and eps are constants of the graph: changing one re-captures. Non-finite gradients are
+handled on the device as in an eager step (optim/nonfinite.py); the host reads a replay's flag
+at the next ``step()``, so "raise" raises there, with nothing of the bad step applied.
 """
 
 import weakref
@@ -73,6 +75,8 @@ class GraphedOptimizer:
         # device copy when lr or weight decay changed, and the graph launch.
         if closure is not None:
             raise ValueError("GraphedOptimizer.step does not take a closure: compute the loss and gradients before step()")
+        guard = self.optimizer.nonfinite
+        guard.resolve()  # the previous replay's gradient flag: count a skipped step, or raise
         if self._graph is not None and self._version != self._signature():
             self.release()
         if self._graph is None and self._eager_steps < self.warmup_steps:
@@ -84,6 +88,7 @@ class GraphedOptimizer:
         self._refresh_grads()
         self.optimizer.load_hyperparameters()
         self._graph.replay()
+        guard.issued()
         return None
 
     def _side_stream_run(self, fn) -> None:
@@ -139,6 +144,7 @@ class GraphedOptimizer:
         """Free the graph (before the process group it captured collectives on goes away)."""
         if self._graph is not None:
             torch.cuda.synchronize()
+            self.optimizer.nonfinite.fetch()  # the last replay's flag lives in the graph's memory
             self._graph = None
             self._grads, self._grad_objects, self._params = [], [], []
 

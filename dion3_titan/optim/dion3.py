@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.optim.adamw import adamw
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
@@ -18,14 +17,8 @@ from dion3_titan.dist.layout import describe, row_state, to_local, zeros_like_pa
 from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim.config import Dion3Config
-from dion3_titan.optim.orthogonalize import (
-    NSSettings,
-    is_transposed_batch,
-    nonfinite_matrices,
-    normalize_batch,
-    orthogonalize,
-    repair_nonfinite,
-)
+from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
+from dion3_titan.optim.orthogonalize import NSSettings, is_transposed_batch, normalize_batch, orthogonalize
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.update import (
     apply_update,
@@ -134,12 +127,11 @@ class Dion3(torch.optim.Optimizer):
             for cfg in self._configs
         ]
         self._rngs: dict[int, torch.Generator] = {}  # param group -> random selection
-        self._ns_bad_count: torch.Tensor | None = None
+        self.nonfinite = NonfiniteGuard(self.defaults["nonfinite"])  # non-finite gradients and NS results
         self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]
         self._hyper_all: torch.Tensor | None = None  # (groups, 2), the storage of those views
         self._hyper_values: list[float] | None = None  # what it holds, to skip redundant copies
         self._state_version = 0
-        self.skipped_steps = 0  # steps skipped for non-finite gradients (nonfinite="skip")
         # observability (dion3_titan.metrics): off unless enabled; no host syncs in the step
         self._last_selected: dict[int, torch.Tensor] | None = None  # member id -> (B, R) step
         self._step_t: torch.Tensor | None = None
@@ -208,52 +200,43 @@ class Dion3(torch.optim.Optimizer):
                 self._configs[i] = Dion3Config(**{k: group[k] for k in Dion3Config.keys()})
 
     # ----------------------------------------------------------------- the step
+    # Host-side counters a step advances in its param groups (rolled back when it is skipped).
+    HOST_COUNTERS: tuple[str, ...] = ("selection_step",)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._grads_finite():
-            return loss
+        self.nonfinite.resolve()  # a replayed step's flag not read yet (cuda_graph)
+        counters = [{k: g.get(k) for k in self.HOST_COUNTERS} for g in self.param_groups]
         self.load_hyperparameters()
         self.step_body(sync_check=True)
+        self.nonfinite.issued()
+        self.nonfinite.resolve(undo=lambda: self._restore_counters(counters))
         return loss
 
-    def _grads_finite(self) -> bool:
-        """``nonfinite``: "raise" names the parameters with a non-finite gradient
-        (FloatingPointError), "skip" returns False so the step leaves parameters and state
-        untouched. In a distributed run every rank reaches the same decision (one all-reduce of
-        a flag; the names travel only when something is wrong). One host sync."""
-        named = [
+    def _restore_counters(self, counters: list[dict]) -> None:
+        for group, saved in zip(self.param_groups, counters):
+            for key, value in saved.items():
+                if value is None:
+                    group.pop(key, None)
+                else:
+                    group[key] = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient (``nonfinite = "skip"``); may synchronize."""
+        return self.nonfinite.skipped_steps
+
+    def _named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        return [
             (name, grad)
             for g in self.param_groups
             for p, name in zip(g["params"], self._names(g))
             if p.grad is not None and (grad := to_local(p.grad)).numel()
         ]
-        if not named:
-            return True
-        # max |g| per tensor, in one multi-tensor kernel: finite exactly when every entry is
-        # (NaN propagates through the max)
-        finite = torch.stack(torch._foreach_norm([grad for _, grad in named], ord=float("inf"))).isfinite()
-        all_ok = finite.all().to(torch.int32)
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if distributed:
-            dist.all_reduce(all_ok, op=dist.ReduceOp.MIN)
-        if bool(all_ok):
-            return True
-        bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
-        if self.defaults["nonfinite"] == "skip":
-            self.skipped_steps += 1
-            return False
-        if distributed:
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, (dist.get_rank(), bad))
-            bad = [f"{name} (rank {r})" for r, names in everyone for name in names]
-        raise FloatingPointError(
-            f"Dion3: non-finite gradient in {bad[:8]}{' ...' if len(bad) > 8 else ''} "
-            "(set [optimizer] nonfinite = 'skip' to skip such steps)"
-        )
 
     def load_hyperparameters(self) -> None:
         """Copy each group's lr and weight decay into its device tensors. Kept out of
@@ -271,8 +254,10 @@ class Dion3(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_body(self, sync_check: bool) -> None:
-        """Everything a step does on the device. With ``sync_check`` False it never waits on
-        the device (required inside CUDA-graph capture)."""
+        """Everything a step does on the device, every state write gated by the gradients'
+        ``ok`` flag (optim/nonfinite.py). With ``sync_check`` False it never waits on the
+        device (required inside CUDA-graph capture)."""
+        self.nonfinite.check(self._named_grads(), self._device())
         for gi, (group, cfg) in enumerate(zip(self.param_groups, self._configs)):
             if cfg is None:
                 self._adamw_step(gi, group)
@@ -282,7 +267,7 @@ class Dion3(torch.optim.Optimizer):
         """The matrix pipeline over ``groups``: every gather and orthogonalization is issued
         before any update, so one host check covers the whole step's NS results."""
         if self._step_t is not None:
-            self._step_t += 1
+            self._step_t += self.nonfinite.ok.to(torch.int64)
         self._seed_random_selection(groups)
         self._accumulate(groups)
         work = [self._orthogonalize_group(sg) for sg in groups]
@@ -300,8 +285,7 @@ class Dion3(torch.optim.Optimizer):
                     seen.add(id(m.param))
                     moms.append(to_local(self.state[m.param]["momentum"]))
                     grads.append(to_local(m.param.grad))
-        if moms:
-            torch._foreach_add_(moms, grads)
+        self.nonfinite.accumulate(moms, grads)
 
     def _orthogonalize_group(self, sg: ShapeGroup) -> "_GroupWork":
         """2-4: select this rank's rows, pack them, gather them to their owners, orthogonalize."""
@@ -342,24 +326,15 @@ class Dion3(torch.optim.Optimizer):
         return _GroupWork(sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row)
 
     def _check_results(self, work: list["_GroupWork"], sync_check: bool) -> None:
-        """A non-finite NS result is never applied: eager steps recompute it (one host sync for
-        the whole step), captured steps zero it (that matrix skips its update) and count it."""
-        bads = [nonfinite_matrices(w.ortho) for w in work]
-        for b in bads:
-            self._ns_bad(b)
-        if not sync_check:
-            for w, b in zip(work, bads):
-                w.ortho = torch.where(b[:, None, None], torch.zeros_like(w.ortho), w.ortho)
-            return
-        flags = torch.stack([b.any() for b in bads]).tolist()
-        for w, b, flag in zip(work, bads, flags):
-            if flag:
-                w.ortho = repair_nonfinite(w.owned, w.ortho, b, self._ns[w.sg.group_index], w.backend, w.tall)
+        """A non-finite NS result is never applied (optim/nonfinite.py decides how)."""
+        batches = [NSBatch(w.owned, w.ortho, self._ns[w.sg.group_index], w.backend, w.tall) for w in work]
+        outs, _ = self.nonfinite.orthogonalized(batches, sync_check)
+        for w, out in zip(work, outs):
+            w.ortho = out
 
     def _update_group(self, w: "_GroupWork") -> None:
         """5-6: NorMuon on the owner, scatter back, then the fused update with error feedback."""
         sg, cfg, members = w.sg, w.cfg, w.sg.members
-        group = self.param_groups[sg.group_index]
         normuon = cfg.flavor == "normuon"
         ortho, owned_v = w.ortho, w.owned_v
         if normuon:
@@ -370,8 +345,7 @@ class Dion3(torch.optim.Optimizer):
         sel = sg.selected
         result = result[:, :sel, : sg.local_cols]
 
-        lr, wd = self._hyper[sg.group_index].unbind()
-        decay = 1.0 - lr * wd
+        lr, decay, mu = self._step_factors(sg.group_index)
         valid_per = w.valid.split([m.layout.batch for m in members]) if w.valid is not None else None
         for i, m in enumerate(members):
             if m.param.grad is None:
@@ -380,22 +354,33 @@ class Dion3(torch.optim.Optimizer):
             weight = m.view(to_local(m.param))
             ok = valid_per[i] if valid_per is not None else None
             apply_update(
-                weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"], w.backend,
+                weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, mu, w.backend,
                 every_row=w.every_row,
             )
             if normuon:
                 v_state = self._variance(m)
-                v_new = result_v[sl, :sel].float()
+                v_new, v_old = result_v[sl, :sel].float(), v_state.gather(1, w.rows_per[i])
                 if ok is not None:
-                    v_new = torch.where(ok, v_new, v_state.gather(1, w.rows_per[i]))
-                v_state.scatter_(1, w.rows_per[i], v_new)
+                    v_new = torch.where(ok, v_new, v_old)
+                v_state.scatter_(1, w.rows_per[i], self.nonfinite.keep(v_new, v_old))
             if self._last_selected is not None:
-                stamp = self._step_t.expand_as(w.rows_per[i])
+                stamp, old = self._step_t.expand_as(w.rows_per[i]), self._last_selected[id(m)].gather(1, w.rows_per[i])
                 if ok is not None:
-                    stamp = torch.where(ok, stamp, self._last_selected[id(m)].gather(1, w.rows_per[i]))
-                self._last_selected[id(m)].scatter_(1, w.rows_per[i], stamp)
+                    stamp = torch.where(ok, stamp, old)
+                self._last_selected[id(m)].scatter_(1, w.rows_per[i], self.nonfinite.keep(stamp, old))
             if self.measure_updates:
                 self._add_update_sumsq(m.name, (lr * m.lr_scale) * result[sl].float(), m.layout)
+
+    def _step_factors(self, gi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lr, weight-decay factor 1 - lr wd, momentum decay mu) of matrix group ``gi`` for this
+        step, live device scalars; on a step with a non-finite gradient lr is 0 and both
+        factors are exactly 1, so the update leaves weights and momentum as they are."""
+        lr, wd = self._hyper[gi].unbind()
+        lr = self.nonfinite.scale(lr)
+        return lr, 1.0 - lr * wd, self.nonfinite.factor(self.param_groups[gi]["momentum"])
+
+    def _device(self) -> torch.device:
+        return next((to_local(p).device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
 
     # ----------------------------------------------------------------- observability
     def track_selection(self) -> None:
@@ -471,18 +456,11 @@ class Dion3(torch.optim.Optimizer):
             return top_rows_global(scores, block_rows, sg.row_block, sg.local_rows, sg.global_k, sg.selected)
         return top_rows(scores[:, sg.row_block, : sg.local_rows], sg.selected), None
 
-    def _ns_bad(self, bad: torch.Tensor) -> None:
-        """Count matrices whose NS result was not finite, on the device (no sync)."""
-        if bad.numel():
-            if self._ns_bad_count is None:
-                self._ns_bad_count = torch.zeros((), dtype=torch.int64, device=bad.device)
-            self._ns_bad_count += bad.sum()
-
     @property
     def nonfinite_ns_events(self) -> int:
         """Matrices whose Newton-Schulz result was not finite so far (recomputed in eager
         steps, skipped in captured ones). Reading it synchronizes."""
-        return 0 if self._ns_bad_count is None else int(self._ns_bad_count)
+        return self.nonfinite.ns_events
 
     def _seed_random_selection(self, groups: list[ShapeGroup]) -> None:
         """``selection = "random"``: each step's draws come from a generator seeded by (seed,
@@ -506,23 +484,24 @@ class Dion3(torch.optim.Optimizer):
             group["selection_step"] = step + 1
 
     def _adamw_step(self, gi: int, group: dict) -> None:
+        """torch's fused AdamW on the local tensors (elementwise, so shards need no
+        communication); its ``found_inf`` skips the whole step, step counter included, when a
+        gradient is not finite."""
         params, grads, avgs, sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:
                 continue
             st = self.state[p]
-            params.append(p)
-            grads.append(p.grad)
-            avgs.append(st["exp_avg"])
-            sqs.append(st["exp_avg_sq"])
+            params.append(to_local(p))
+            grads.append(to_local(p.grad))
+            avgs.append(to_local(st["exp_avg"]))
+            sqs.append(to_local(st["exp_avg_sq"]))
             steps.append(st["step"])
         if not params:
             return
         beta1, beta2 = group["betas"]
-        on_gpu = to_local(params[0]).is_cuda
         adamw(
             params, grads, avgs, sqs, [], steps,
-            foreach=True, capturable=on_gpu, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=self._hyper[gi][0] if on_gpu else group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            fused=True, found_inf=self.nonfinite.found_inf(), amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=self._hyper[gi][0], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )

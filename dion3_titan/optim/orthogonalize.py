@@ -173,21 +173,3 @@ def repair_nonfinite(
         fixed = torch.where(nonfinite_matrices(fixed)[:, None, None], torch.zeros_like(fixed), fixed)
     return out.index_copy(0, idx, fixed.to(out.dtype))
 
-
-def orthogonalize_checked(
-    x: torch.Tensor, settings: NSSettings, backend: Backend, sync_check: bool = True, tall: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``orthogonalize`` that never returns a non-finite matrix.
-
-    Returns (result, bad) where ``bad`` (B,) marks matrices whose first result was not finite.
-    With ``sync_check`` (eager steps) those are recomputed (``repair_nonfinite``); without it
-    (CUDA-graph capture, where the host may not look) they are zeroed so the update skips
-    them, and ``bad`` is counted.
-    """
-    out = orthogonalize(x, settings, backend, tall)
-    bad = nonfinite_matrices(out)
-    if sync_check:
-        if bool(bad.any()):
-            out = repair_nonfinite(x, out, bad, settings, backend, tall)
-        return out, bad
-    return torch.where(bad[:, None, None], torch.zeros_like(out), out), bad

@@ -93,6 +93,8 @@ class PeriodicRowwiseMuon(Dion3):
     ``state_dict`` / ``load_state_dict`` (and DCP) resume mid-period exactly.
     """
 
+    HOST_COUNTERS = (*Dion3.HOST_COUNTERS, STEP_KEY)
+
     def __init__(self, params: Iterable, lr: float = 0.02, **options) -> None:
         allowed = set(Dion3Config.keys()) | set(PRMuonConfig.keys()) | set(ADAMW_DEFAULTS)
         unknown = set(options) - allowed
@@ -190,8 +192,7 @@ class PeriodicRowwiseMuon(Dion3):
             if m.param.grad is not None:
                 moms.append(to_local(self.state[m.param]["momentum"]))
                 grads.append(to_local(m.param.grad))
-        if moms:
-            torch._foreach_add_(moms, grads)
+        self.nonfinite.accumulate(moms, grads)
 
         views, splits = [], []
         for _, m in members:
@@ -216,16 +217,15 @@ class PeriodicRowwiseMuon(Dion3):
         ``mom`` is the oriented local momentum (B, R, C), ``sq_sums`` its rows' full sums."""
         if m.param.grad is None:  # as in Dion3: a matrix without a gradient is left untouched
             return
-        group, cfg, prm = self.param_groups[gi], self._configs[gi], self._prm[gi]
+        cfg, prm = self._configs[gi], self._prm[gi]
         direction = rownorm_direction(mom, sq_sums, prm.rownorm_eps)
         weight = orient(to_local(m.param), self._rownorm_layout[id(m.param)][0])
-        lr, wd = self._hyper[gi].unbind()  # live device copies (Dion3.load_hyperparameters)
-        decay = 1.0 - lr * wd
+        lr, decay, mu = self._step_factors(gi)  # live, and no-ops on a skipped step
         batch, rows = mom.shape[:2]
         every_row = torch.arange(rows, device=mom.device).expand(batch, rows)
         backend = select_backend(cfg.backend, tuple(mom.shape), cfg.compute_dtype, mom.device)
         backend.fused_update(weight, direction, every_row, lr * (m.lr_scale * prm.rownorm_gamma), decay)
-        mom.mul_(group["momentum"])
+        mom.mul_(mu)
 
 
 def _check_fixed(key: str, value, where: str) -> None:

@@ -71,7 +71,7 @@ def apply_update(
     valid: torch.Tensor | None,
     lr: torch.Tensor,
     decay: torch.Tensor,
-    mu: float,
+    mu: torch.Tensor,
     backend: Backend,
     every_row: bool = False,
 ) -> None:
@@ -79,7 +79,8 @@ def apply_update(
     the selected rows (one rounding, in the backend's fused kernel), then error feedback:
     only the selected momentum rows decay by mu. Rows with ``valid`` False only pad a buffer:
     their update is zero and their momentum is left alone. ``every_row``: rows is every row
-    in order (f = 1), so the momentum decays in place without a gather/scatter."""
+    in order (f = 1), so the momentum decays in place without a gather/scatter. ``lr``,
+    ``decay`` and ``mu`` are 0-dim float32 device tensors (live under CUDA-graph replay)."""
     backend.fused_update(weight, update, rows, lr, decay)
     if every_row and valid is None:
         momentum.mul_(mu)

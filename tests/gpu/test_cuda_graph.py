@@ -1,5 +1,6 @@
 """A captured optimizer step gives bit-identical parameters to eager steps (1 GPU, and 2 GPUs
-with FSDP2 over NCCL), with a live learning-rate schedule and live weight-decay changes."""
+with FSDP2 over NCCL), with a live learning-rate schedule and live weight-decay changes; a
+non-finite gradient is handled alike in both paths (nonfinite = "skip" / "raise", optim/nonfinite.py)."""
 
 import copy
 
@@ -114,3 +115,139 @@ def test_graph_equals_eager_fsdp_two_gpus(tmp_path):
     eager, graphed = torch.load(out)
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ non-finite gradients
+BAD_STEP = 5  # after the capture (warmup 3)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.detach().reshape(-1).clone().view(torch.uint8)
+
+
+def _snapshot(opt, params) -> list[torch.Tensor]:
+    """Every parameter and every state tensor (momentum, NorMuon variance, AdamW's)."""
+    torch.cuda.synchronize()
+    return [_bits(p) for p in params] + [_bits(v) for p in params for v in opt.state[p].values()]
+
+
+def _nonfinite_run(params, graphed, policy, flavor, fraction, steps, skip_bad_step=False):
+    """Train ``steps`` steps; step BAD_STEP gets a NaN in the first gradient (or, with
+    ``skip_bad_step``, is not taken at all). Returns (params at the end, the exception and the
+    step it came at, whether the bad step left everything bit-identical, skipped steps)."""
+    from dion3_titan import Dion3
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+
+    device = params[0].device
+    opt = Dion3([{"params": params[:-1], "names": [f"m{i}" for i in range(len(params) - 1)]},
+                 {"params": params[-1:], "algorithm": "adamw", "names": ["vec"]}],
+                lr=0.02, fraction=fraction, flavor=flavor, weight_decay=0.1, nonfinite=policy)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
+    raised, same = None, None
+    for step in range(steps):
+        if step == BAD_STEP and skip_bad_step:
+            continue
+        for p, g in zip(params, _grads(step, device)):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(g)  # in place: where the captured step reads it
+        if step == BAD_STEP:
+            params[0].grad.view(-1)[7] = float("nan")
+            before = _snapshot(opt, params)
+        try:
+            runner.step()
+        except FloatingPointError as exc:
+            raised = (step, str(exc))
+            break
+        if step == BAD_STEP:
+            same = all(torch.equal(a, b) for a, b in zip(before, _snapshot(opt, params)))
+        else:
+            sched.step()  # a run that never took the bad step has the same schedule
+    if raised is not None:
+        same = all(torch.equal(a, b) for a, b in zip(before, _snapshot(opt, params)))
+    skipped = opt.skipped_steps if raised is None else None
+    if graphed:
+        runner.release()
+    return [p.detach().clone() for p in params], raised, same, skipped
+
+
+@pytest.mark.parametrize("fraction,flavor", [(1.0, "muon"), (0.25, "normuon")])
+@pytest.mark.parametrize("graphed", [False, True])
+def test_nonfinite_skip_one_gpu(graphed, fraction, flavor):
+    """"skip": the bad step leaves every parameter and state tensor bit-identical, is counted,
+    and the run then equals one that never took that step (graph and eager alike)."""
+    base = _model("cuda")
+    got, raised, same, skipped = _nonfinite_run(list(copy.deepcopy(base)), graphed, "skip", flavor, fraction, 10)
+    assert raised is None and same and skipped == 1
+    ref, _, _, ref_skipped = _nonfinite_run(list(copy.deepcopy(base)), graphed, "skip", flavor, fraction, 10,
+                                            skip_bad_step=True)
+    assert ref_skipped == 0
+    for a, b, p0 in zip(got, ref, base):
+        assert torch.equal(a, b) and not torch.equal(a, p0)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_nonfinite_raise_one_gpu(graphed):
+    """"raise": eager raises at the bad step, a replayed step at the next step() (the host
+    reads its flag then); nothing of the bad step is applied either way."""
+    base = _model("cuda")
+    _, raised, same, _ = _nonfinite_run(list(copy.deepcopy(base)), graphed, "raise", "normuon", 0.25, 10)
+    assert raised is not None and raised[0] == (BAD_STEP + 1 if graphed else BAD_STEP), raised
+    assert "['m0']" in raised[1], raised[1]
+    assert same
+
+
+def _fsdp_nonfinite_worker(rank, world, policy, out_path):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from dion3_titan import Dion3
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+
+    device = f"cuda:{rank}"
+    model = _model(device)
+    fully_shard(model)
+    params = list(model)
+    opt = Dion3([{"params": params[:-1], "names": [f"m{i}" for i in range(len(params) - 1)]},
+                 {"params": params[-1:], "algorithm": "adamw", "names": ["vec"]}],
+                lr=0.02, fraction=0.25, flavor="normuon", weight_decay=0.1, nonfinite=policy)
+    runner = GraphedOptimizer(opt, warmup_steps=3)
+    result = {"raised": None, "same": None}
+    for step in range(8):
+        for p, g in zip(params, _grads(step, device)):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)  # new tensors each step
+        if step == BAD_STEP:
+            if rank == 1:
+                params[0].grad.to_local().view(-1)[0] = float("nan")
+            before = _snapshot(opt, params)
+        try:
+            runner.step()
+        except FloatingPointError as exc:
+            result["raised"] = (step, str(exc))
+            break
+        if step == BAD_STEP:
+            result["same"] = all(torch.equal(a, b) for a, b in zip(before, _snapshot(opt, params)))
+    if result["raised"] is not None:
+        result["same"] = all(torch.equal(a, b) for a, b in zip(before, _snapshot(opt, params)))
+    else:
+        result["skipped"] = opt.skipped_steps
+    runner.release()
+    torch.save(result, f"{out_path}.{rank}")
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_nonfinite_fsdp_two_gpus(tmp_path, policy):
+    """A NaN on rank 1 only: every rank skips (or raises, naming rank 1's parameter, at the
+    next step) and every rank's shards and state stay bit-identical."""
+    out = tmp_path / "r"
+    spawn(2, _fsdp_nonfinite_worker, policy, str(out), backend="nccl")
+    for rank in range(2):
+        r = torch.load(f"{out}.{rank}")
+        assert r["same"], rank
+        if policy == "skip":
+            assert r["raised"] is None and r["skipped"] == 1
+        else:
+            assert r["raised"][0] == BAD_STEP + 1 and "m0 (rank 1)" in r["raised"][1], r["raised"]

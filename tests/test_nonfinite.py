@@ -1,0 +1,164 @@
+"""A non-finite gradient on one process (optim/nonfinite.py): "skip" leaves every parameter
+and every state tensor bit for bit as it was and the run continues as if that step had never
+been taken; "raise" names the parameter and applies nothing. Checked for the eager step and
+for the step body a CUDA graph captures (no host sync: its flag is read at the next step)."""
+
+import pytest
+import torch
+
+from dion3_titan import Dion3
+from dion3_titan.optim.prmuon import PeriodicRowwiseMuon
+from tests.test_dion3_core import NAMES, SHAPES, make_params, random_grads
+
+pytestmark = pytest.mark.timeout(300)
+
+ADAMW_SHAPES = {"emb": (10, 4), "bias": (16,)}
+BAD_STEP = 3
+
+
+def _build(cls, policy, **options):
+    params = make_params(7)
+    g = torch.Generator().manual_seed(8)
+    extra = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in ADAMW_SHAPES.values()]
+    opt = cls(
+        [{"params": params, "names": NAMES},
+         {"params": extra, "algorithm": "adamw", "names": list(ADAMW_SHAPES), "lr": 0.01}],
+        lr=0.02, weight_decay=0.1, nonfinite=policy, ns_dtype="float32", **options,
+    )
+    opt.track_selection()  # the selection stamps and their step counter are state too
+    return opt
+
+
+def _set_grads(opt, step, poison=None):
+    params = [p for g in opt.param_groups for p in g["params"]]
+    names = NAMES + list(ADAMW_SHAPES)
+    grads = random_grads(step, SHAPES + list(ADAMW_SHAPES.values()))
+    for p, name, gr in zip(params, names, grads):
+        if name == poison:
+            gr.view(-1)[gr.numel() // 2] = float("nan") if step % 2 else float("inf")
+        p.grad = gr
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).clone().view(torch.uint8)
+
+
+def _snapshot(opt) -> dict[str, torch.Tensor]:
+    """Every parameter, every state tensor, the selection stamps and the host counters."""
+    out = {}
+    for gi, group in enumerate(opt.param_groups):
+        for name, p in zip(group["names"], group["params"]):
+            out[name] = _bits(p)
+            for key, value in opt.state[p].items():
+                out[f"{name}.{key}"] = _bits(value)
+        for key in ("selection_step", "prmuon_step"):
+            if key in group:
+                out[f"group{gi}.{key}"] = torch.tensor([group[key]])
+    for i, stamps in enumerate(opt._last_selected.values()):
+        out[f"stamps{i}"] = _bits(stamps)
+    out["step_t"] = _bits(opt._step_t)
+    return out
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    changed = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not changed, f"changed on a non-finite step: {changed}"
+
+
+def _deferred_step(opt) -> None:
+    """What GraphedOptimizer does around a replay, with the captured body run directly."""
+    opt.nonfinite.resolve()
+    opt.load_hyperparameters()
+    opt.step_body(sync_check=False)
+    opt.nonfinite.issued()
+
+
+def _run(opt, steps, path, poison=None, bad_step=BAD_STEP):
+    """Steps 0..steps-1; ``bad_step`` gets a non-finite gradient in ``poison`` (None: that
+    step is not taken at all)."""
+    step_fn = opt.step if path == "eager" else (lambda: _deferred_step(opt))
+    for step in range(steps):
+        if step == bad_step and poison is None:
+            continue
+        _set_grads(opt, step, poison if step == bad_step else None)
+        step_fn()
+
+
+@pytest.mark.parametrize("path", ["eager", "deferred"])
+@pytest.mark.parametrize("poison", ["tall", "emb"])
+@pytest.mark.parametrize("flavor,fraction", [("normuon", 0.25), ("normuon", 1.0), ("muon", 0.25), ("muon", 1.0)])
+def test_skip_is_bit_identical_and_as_if_never_taken(flavor, fraction, poison, path):
+    opt = _build(Dion3, "skip", flavor=flavor, fraction=fraction)
+    _run(opt, BAD_STEP, path)
+    before = _snapshot(opt)
+    _set_grads(opt, BAD_STEP, poison)
+    (opt.step if path == "eager" else lambda: _deferred_step(opt))()
+    _assert_same(before, _snapshot(opt))
+    assert opt.skipped_steps == 1
+    # the run goes on exactly as one that never took the bad step
+    for step in range(BAD_STEP + 1, BAD_STEP + 3):
+        _set_grads(opt, step)
+        (opt.step if path == "eager" else lambda: _deferred_step(opt))()
+    ref = _build(Dion3, "skip", flavor=flavor, fraction=fraction)
+    _run(ref, BAD_STEP + 3, path)
+    _assert_same(_snapshot(ref), _snapshot(opt))
+    assert ref.skipped_steps == 0
+    moved = _snapshot(ref)
+    assert not torch.equal(moved["tall"], before["tall"])
+    assert not torch.equal(moved["emb.exp_avg"], before["emb.exp_avg"])
+
+
+@pytest.mark.parametrize("poison", ["tall", "emb"])
+@pytest.mark.parametrize("flavor,fraction", [("normuon", 0.25), ("muon", 1.0)])
+def test_raise_names_the_parameter_and_applies_nothing(flavor, fraction, poison):
+    opt = _build(Dion3, "raise", flavor=flavor, fraction=fraction)
+    _run(opt, BAD_STEP, "eager")
+    before = _snapshot(opt)
+    _set_grads(opt, BAD_STEP, poison)
+    with pytest.raises(FloatingPointError, match=rf"\['{poison}'\]"):
+        opt.step()
+    _assert_same(before, _snapshot(opt))
+
+
+@pytest.mark.parametrize("flavor,fraction", [("normuon", 0.25), ("muon", 1.0)])
+def test_deferred_raise_comes_at_the_next_step(flavor, fraction):
+    """The captured body cannot look at its flag: the bad step is applied as a no-op, and the
+    next step raises before doing anything."""
+    opt = _build(Dion3, "raise", flavor=flavor, fraction=fraction)
+    _run(opt, BAD_STEP, "deferred")
+    before = _snapshot(opt)
+    _set_grads(opt, BAD_STEP, "square")
+    _deferred_step(opt)  # no host sync, no exception yet
+    _assert_same(before, _snapshot(opt))
+    _set_grads(opt, BAD_STEP + 1)
+    with pytest.raises(FloatingPointError, match=r"\['square'\]"):
+        _deferred_step(opt)
+    _assert_same(before, _snapshot(opt))
+
+
+def test_random_selection_seed_rolls_back():
+    """selection = "random" seeds each step from a host counter; a skipped step gives it back."""
+    opt = _build(Dion3, "skip", fraction=0.25, selection="random")
+    ref = _build(Dion3, "skip", fraction=0.25, selection="random")
+    _run(opt, BAD_STEP + 3, "eager", poison="stack")
+    _run(ref, BAD_STEP + 3, "eager")
+    assert opt.skipped_steps == 1
+    _assert_same(_snapshot(ref), _snapshot(opt))
+
+
+@pytest.mark.parametrize("bad_step", [2, 3])  # a refresh step (counter 2) and a RowNorm step
+def test_prmuon_skip_on_refresh_and_rownorm_steps(bad_step):
+    opt = _build(PeriodicRowwiseMuon, "skip", refresh_period=2)
+    ref = _build(PeriodicRowwiseMuon, "skip", refresh_period=2)
+    _run(opt, bad_step, "eager")
+    before = _snapshot(opt)
+    _set_grads(opt, bad_step, "wide")
+    opt.step()
+    _assert_same(before, _snapshot(opt))
+    for step in range(bad_step + 1, bad_step + 3):
+        _set_grads(opt, step)
+        opt.step()
+    _run(ref, bad_step + 3, "eager", bad_step=bad_step)
+    assert opt.skipped_steps == 1
+    _assert_same(_snapshot(ref), _snapshot(opt))
