@@ -65,10 +65,12 @@ def _on_corpus(config: Trainer.Config, *, seq_len: int, batch: int) -> Trainer.C
 
 
 def _on_cpu(config: Trainer.Config) -> Trainer.Config:
-    """float32 throughout (bf16 matmuls are slow on a CPU), no activation checkpointing, and
+    """float32 throughout (bf16 matmuls are slow on a CPU), no activation checkpointing, no
+    CUDA graphs (0.3 refuses them with expert parallelism's default token dispatcher), and
     FSDP2's DTensor parameters ("partial_dtensor"): on gloo, 0.3's default "spmd_types" backend
     stops in fully_shard ("all parameters must be DTensors on the full SPMD mesh")."""
     config.training.mixed_precision_param = "float32"
+    config.training.disable_cuda_graphs = True
     config.activation_checkpoint = None
     config.parallelism.spmd_backend = "partial_dtensor"
     return config
