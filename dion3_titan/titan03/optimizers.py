@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
@@ -34,11 +36,13 @@ OPTIMIZER_NAMES = {"Dion3": "dion3", "Muon": "muon", "NorMuon": "normuon", "PRMu
 _SPELL = {v: k for k, v in OPTIMIZER_NAMES.items()}
 
 # The block matrices of torchtitan 0.3's language models (llama3, qwen3, deepseek_v3, gpt_oss,
-# kimi_k2_7's text layers): attention and MLP projections, shared and routed experts. Not
-# matched, so left to the catch-all group: embeddings, lm_head, norms, biases, the router gate.
+# qwen3_5 and kimi_k2_7's text layers): attention, gated-delta-net and MLP projections, shared
+# and routed experts. Not matched, so left to the catch-all group: embeddings, lm_head, norms,
+# biases, the router gate, convolutions, qwen3_5's per-head gate projections (in_proj_a/b) and
+# the vision towers.
 MATRICES = (
     r"^layers\.\d+\.(.+\.)?("
-    r"(attention\.(.+\.)?(wqkv|wq|wk|wv|wo|wq_a|wq_b|wkv_a|wkv_b))\.weight"
+    r"((attention|attn)\.(.+\.)?(wqkv|wq|wk|wv|wo|wq_a|wq_b|wkv_a|wkv_b|in_proj_[qkvz]|out_proj))\.weight"
     r"|(feed_forward|shared_experts)\.w[123]\.weight"
     r"|inner_experts\.(w[123]_[A-Z]+|mlp[12]_weight_[A-Z]+)"
     r")$"
@@ -139,6 +143,7 @@ class Dion3Optimizers(OptimizersContainer):
                     "narrow the pattern (e.g. dion3_titan.titan03.optimizers.MATRICES) and let a later "
                     "AdamW group take them"
                 )
+            opts = dict(opts)  # the same options serve every model part
             own = {k: opts.pop(k) for k in PRMUON_KEYS if k in opts}
             if own:
                 if ctor and ctor != own:
@@ -167,6 +172,36 @@ class Dion3Optimizers(OptimizersContainer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for runner in self._runners:
             runner.zero_grad(set_to_none=set_to_none)
+
+    # ---------------------------------------------------------------- checkpoints
+    # torchtitan saves the flat, FQN-keyed state of every optimizer with DCP, which keeps one
+    # copy of a plain (non-DTensor) tensor for all ranks. NorMuon's second moment of a fused
+    # weight's piece that the shards cut unevenly is such a tensor, yet holds this rank's rows
+    # only (dist/layout.py row_state): it travels under a key of its own per rank, so a resume
+    # on the same sharding restores every rank's part.
+    def _rank_local_keys(self) -> set[str]:
+        keys = set()
+        for opt in self.optimizers:
+            if not isinstance(opt, Dion3):
+                continue
+            for g in opt.param_groups:
+                for p, fqn in zip(g["params"], g["param_names"]):
+                    if isinstance(p, DTensor):
+                        keys |= {f"state.{fqn}.{k}" for k, v in opt.state[p].items()
+                                 if torch.is_tensor(v) and not isinstance(v, DTensor) and v.ndim > 0}
+        return keys
+
+    def _rank_suffix(self) -> str:
+        return f"@rank{dist.get_rank() if dist.is_initialized() else 0}"
+
+    def state_dict(self) -> dict[str, Any]:
+        flat = super().state_dict()
+        local, suffix = self._rank_local_keys(), self._rank_suffix()
+        return {k + suffix if k in local else k: v for k, v in flat.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        suffix = self._rank_suffix()
+        super().load_state_dict({k.removesuffix(suffix): v for k, v in state_dict.items()})
 
     def collect_metrics(self) -> dict[str, float]:
         """Metrics of the last measured step, summed (comm, time) or averaged over optimizers."""
