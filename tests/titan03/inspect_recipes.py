@@ -43,7 +43,12 @@ class InspectingTrainer(Trainer):
             "optimizers": [
                 {"class": type(o).__name__,
                  "groups": [{"names": list(g.get("param_names", [])), "fraction": g.get("fraction"),
-                             "flavor": g.get("flavor"), "lr": g["lr"]} for g in o.param_groups]}
+                             "flavor": g.get("flavor"), "lr": g["lr"],
+                             # the mesh dims each parameter is sharded over
+                             "sharded_over": [sorted({p.device_mesh.mesh_dim_names[i] for i, pl in enumerate(p.placements)
+                                                      if pl.is_shard()}) if hasattr(p, "placements") else []
+                                              for p in g["params"]]}
+                            for g in o.param_groups]}
                 for o in opts.optimizers
             ],
             # each orthogonalized matrix (or piece of a fused weight) and its shape

@@ -9,9 +9,6 @@ from tests.titan03.helpers import ensure_corpus, run_titan03
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SHORT = ("--training.seq_len", "128", "--training.local_batch_size", "2", "--validator.no-enable")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def corpus() -> Path:
     return ensure_corpus()
@@ -41,25 +38,21 @@ def test_llama3_dion3_20_steps_loss_falls_and_fused_qkv_splits_per_head(tmp_path
         assert sorted(m["piece"][0] for m in wqkv) == list(range(0, 768, 16))
 
 
-def test_muon_and_fsdp_x_tp_on_4_ranks(tmp_path: Path) -> None:
-    run = run_titan03("llama3_debug_muon", tmp_path, "--training.steps", "3", *SHORT,
-                      "--parallelism.tensor_parallel_degree", "2", nproc=4)
-    assert run.returncode == 0, run.output[-4000:]
-    losses = run.losses()
-    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses
-    dion3 = run.records[0]["optimizers"]["optimizers"][0]
-    assert dion3["groups"][0]["fraction"] == 1.0 and dion3["groups"][0]["flavor"] == "muon"
-
-
-def test_deepseek_v3_moe_with_expert_parallel_on_4_ranks(tmp_path: Path) -> None:
+def test_deepseek_v3_moe_with_fsdp_tp_and_ep_on_4_ranks(tmp_path: Path) -> None:
+    """FSDP x TP (2 x 2) with experts over EP (2): Dion3 steps matrices sharded every way."""
     run = run_titan03("deepseek_v3_debug_dion3", tmp_path, "--training.steps", "3",
-                      "--parallelism.expert_parallel_degree", "2", nproc=4)
+                      "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                      nproc=4)
     assert run.returncode == 0, run.output[-4000:]
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses
     record = run.records[0]["optimizers"]
     assert record["pre_hooks"] >= 1  # torchtitan's MoE expert-bias hook on our container
-    names = record["optimizers"][0]["groups"][0]["names"]
-    experts = [n for n in names if ".inner_experts." in n]
+    (group,) = record["optimizers"][0]["groups"]
+    sharded = dict(zip(group["names"], group["sharded_over"]))
+    experts = {n: s for n, s in sharded.items() if ".inner_experts." in n}
     assert experts and all(re.search(r"w[123]_[A-Z]+$", n) for n in experts)
-    assert not any("router.gate" in n for n in names)  # the router gate stays with AdamW
+    assert all("ep" in s for s in experts.values()), experts
+    assert any("tp" in s for n, s in sharded.items() if ".attention." in n), sharded
+    assert any("fsdp" in s or "dp_shard" in s for s in sharded.values()), sharded
+    assert not any("router.gate" in n for n in sharded)  # the router gate stays with AdamW
