@@ -15,7 +15,8 @@ def corpus() -> Path:
 
 
 def test_llama3_dion3_20_steps_loss_falls_and_fused_qkv_splits_per_head(tmp_path: Path) -> None:
-    run = run_titan03("llama3_debug_dion3", tmp_path, "--training.steps", "20")
+    run = run_titan03("llama3_debug_dion3", tmp_path, "--training.steps", "20", "--training.seq_len", "128",
+                      "--training.local_batch_size", "2", "--validator.no-enable")
     assert run.returncode == 0, run.output[-4000:]
     losses = run.losses()
     assert sorted(losses) == list(range(1, 21))
