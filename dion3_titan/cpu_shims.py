@@ -1,4 +1,5 @@
-"""Let torchtitan 0.2.2 train on CPU (gloo) when no accelerator is present.
+"""Let torchtitan 0.2.2 train on CPU (gloo) when no accelerator is present (0.3: titan03/cpu_shims.py,
+which reuses the generation-independent shims here).
 
 torchtitan assumes a CUDA-like device. Each shim below fixes one thing that breaks on a
 CPU-only machine (the sixth only matters for FlexAttention models such as gpt_oss);
@@ -61,11 +62,11 @@ class _CpuDeviceModule:
         pass
 
 
-def _device_cpu() -> None:
+def _device_cpu(binders: tuple[str, ...] = _DEVICE_BINDERS) -> None:
     """Shims 1+2. torchtitan falls back to device type "cuda" when torch reports no
     accelerator, which fails at the first `torch.cuda` call: use "cpu" and a device module
     that has the helpers torchtitan expects."""
-    for name in _DEVICE_BINDERS:
+    for name in binders:
         mod = importlib.import_module(name)
         for attr, value in (("device_type", "cpu"), ("device_module", _CpuDeviceModule())):
             if hasattr(mod, attr):
@@ -128,12 +129,31 @@ def _moe_permute_indices_cpu() -> None:
     moe_utils.generate_permute_indices = generate_on_cpu
 
 
+def dense_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float | None,
+                         enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's function computed densely: the block mask's `mask_mod` evaluated on the
+    full (query, key) grid, softmax in (at least) float32; returns (output, log-sum-exp)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch, heads, q_len, head_dim = q.shape
+    if enable_gqa and k.shape[1] != heads:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # at least float32 softmax
+    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * (head_dim**-0.5 if scale is None else scale)
+    if block_mask is not None:
+        mask = create_mask(block_mask.mask_mod, batch, heads, q_len, k.shape[-2], device=q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # Rows with no visible key: FlexAttention returns zeros (and lse = -inf).
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
+    return (probs @ v.to(acc)).to(q.dtype), lse
+
+
 def _flex_attention_dense() -> None:
     """Shim 6. FlexAttention (gpt_oss's attention, with sliding windows and sinks) refuses
-    backward on CPU. For CPU inputs, compute the same function densely: the block mask's
-    `mask_mod` evaluated on the full (query, key) grid, softmax in (at least) float32, and the log-sum-exp
-    the sinks need. Memory is O(seq_len²) per head, fine for CPU debug models."""
-    from torch.nn.attention.flex_attention import create_mask
+    backward on CPU. For CPU inputs, compute the same function densely (`dense_flex_attention`).
+    Memory is O(seq_len²) per head, fine for CPU debug models."""
     from torchtitan.models.attention import FlexAttentionWrapper
 
     flex = FlexAttentionWrapper._compiled_flex_attn
@@ -148,19 +168,7 @@ def _flex_attention_dense() -> None:
                         return_lse=return_lse, **kwargs)
         if kwargs.get("score_mod") is not None:
             raise NotImplementedError("dion3_titan CPU shim: FlexAttention score_mod is not supported on CPU")
-        batch, heads, q_len, head_dim = q.shape
-        if enable_gqa and k.shape[1] != heads:
-            k = k.repeat_interleave(heads // k.shape[1], dim=1)
-            v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        acc = torch.promote_types(q.dtype, torch.float32)  # at least float32 softmax
-        scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * (head_dim**-0.5 if scale is None else scale)
-        if block_mask is not None:
-            mask = create_mask(block_mask.mask_mod, batch, heads, q_len, k.shape[-2], device=q.device)
-            scores = scores.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        # Rows with no visible key: FlexAttention returns zeros (and lse = -inf).
-        probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
-        out = (probs @ v.to(acc)).to(q.dtype)
+        out, lse = dense_flex_attention(q, k, v, block_mask, scale, enable_gqa)
         return (out, lse) if return_lse else out
 
     flex_attention_cpu._dion3_shim = True  # type: ignore[attr-defined]

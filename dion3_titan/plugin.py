@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,36 +25,11 @@ from torchtitan.protocols import train_spec as titan_specs
 from torchtitan.tools.logging import logger
 
 from dion3_titan.metrics import OptimizerMetrics
-from dion3_titan.optim.config import Dion3Config
+from dion3_titan.names import DION3_KEYS, NAMES, PRMUON_KEYS, resolve_options
 from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup
 from dion3_titan.optim.dion3 import Dion3
-from dion3_titan.optim.prmuon import PeriodicRowwiseMuon, PRMuonConfig
 from dion3_titan.optim.routing import build_param_groups
 from dion3_titan.optim.split import with_auto_split_specs
-
-
-@dataclass(frozen=True)
-class Engine:
-    """What one `[optimizer] name` builds: the optimizer class, the settings the name fixes,
-    and the keys only this optimizer accepts."""
-
-    cls: type
-    fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
-    own_keys: tuple[str, ...] = ()
-
-
-_PRMUON_KEYS = tuple(f.name for f in dataclasses.fields(PRMuonConfig))
-# "muon"/"normuon" are the Dion3 engine with every row orthogonalized (fraction 1), so they
-# are exact Muon/NorMuon; Periodic Row-wise Muon pins fraction 1 and the Muon flavor itself.
-NAMES: dict[str, Engine] = {
-    "dion3": Engine(Dion3),
-    "muon": Engine(Dion3, fixed={"fraction": 1.0, "flavor": "muon"}),
-    "normuon": Engine(Dion3, fixed={"fraction": 1.0, "flavor": "normuon"}),
-    "prmuon": Engine(
-        PeriodicRowwiseMuon, fixed={"fraction": 1.0, "flavor": "muon"}, own_keys=_PRMUON_KEYS
-    ),
-}
-_DION3_KEYS = tuple(f.name for f in dataclasses.fields(Dion3Config))
 
 
 def dion3_options(cfg: OptimizerConfig) -> dict[str, Any]:
@@ -63,30 +37,13 @@ def dion3_options(cfg: OptimizerConfig) -> dict[str, Any]:
     key and its allowed values). Only keys the user set are passed (unset keys are None, or
     absent without custom_config_module), so the optimizer's own defaults apply to the rest.
     `lr`/`weight_decay` are torchtitan's own keys and always passed."""
-    engine = NAMES[cfg.name]
     opts: dict[str, Any] = {}
-    for key in _DION3_KEYS + _PRMUON_KEYS:
+    for key in DION3_KEYS + PRMUON_KEYS:
         value = getattr(cfg, key, None)
-        if value is None:
-            continue
-        if key in _PRMUON_KEYS and key not in engine.own_keys:
-            raise ValueError(f"[optimizer] {key}={value!r} applies only to name='prmuon', not {cfg.name!r}")
-        opts[key] = value
+        if value is not None:
+            opts[key] = value
     opts["lr"], opts["weight_decay"] = cfg.lr, cfg.weight_decay
-    for key, forced in engine.fixed.items():
-        if key in opts and opts[key] != forced:
-            raise ValueError(
-                f"[optimizer] {key}={opts[key]!r} conflicts with name={cfg.name!r}, which fixes "
-                f"{key}={forced!r}; use name='dion3' to choose {key} freely"
-            )
-        opts[key] = forced
-    try:  # validates every key once, before any model is built
-        Dion3Config(**{k: v for k, v in opts.items() if k in _DION3_KEYS})
-        if engine.own_keys:
-            PRMuonConfig(**{k: v for k, v in opts.items() if k in engine.own_keys})
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"[optimizer] {e}") from e
-    return opts
+    return resolve_options(cfg.name, opts)
 
 
 _LIVE: "weakref.WeakSet[Dion3OptimizersContainer]" = weakref.WeakSet()

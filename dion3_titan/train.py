@@ -1,6 +1,8 @@
 """`python -m dion3_titan.train --job.config_file X.toml` (under torchrun): torchtitan's own
 trainer and `main`, with the dion3 plugin registered, plus the CPU/gloo shims when the machine
-has no accelerator."""
+has no accelerator. With torchtitan 0.3 installed the same command takes 0.3's
+`--module dion3_titan.titan03.recipes --config <name>` and runs titan03/train.py instead: the
+adapter of the installed generation is chosen here, at start."""
 
 import sys
 from typing import Any
@@ -24,8 +26,22 @@ def check_optimizer_config(args: list[str]) -> None:
         dion3_options(cfg)  # ValueError naming the key and its allowed values
 
 
+def titan_generation() -> tuple[int, int]:
+    """(major, minor) of the installed torchtitan, read without importing it."""
+    from importlib.metadata import version
+
+    major, minor = version("torchtitan").split(".")[:2]
+    return int(major), int(minor)
+
+
 def main(trainer_class: type[Any] | None = None) -> None:
-    """Runs torchtitan's `main` with `trainer_class` (default: torchtitan's Trainer)."""
+    """Runs torchtitan's `main` with `trainer_class` (default: torchtitan's Trainer; 0.2 only)."""
+    if titan_generation() >= (0, 3):
+        from dion3_titan.titan03.train import main as main_03
+
+        _release_graphs_before_teardown()
+        main_03()
+        return
     # Shims first: they rebind torchtitan's device globals before the trainer reads them.
     if not has_accelerator():
         from dion3_titan import cpu_shims

@@ -1,0 +1,12 @@
+"""The torchtitan 0.3 adapter: Python config functions instead of TOML.
+
+- ``optimizers.Dion3Optimizers``: an ``OptimizersContainer`` whose ``Config`` takes torchtitan's
+  own ``ParamGroupConfig`` list with ``optimizer_name`` "Dion3", "Muon", "NorMuon" or "PRMuon"
+  (next to torchtitan's "AdamW", "Adam", "DistMuon").
+- ``metrics.Dion3MetricsProcessor``: torchtitan's metrics processor that also logs the
+  optimizer metrics.
+- ``recipes``: config functions for ``--module dion3_titan.titan03.recipes --config <name>``.
+- ``train``: ``python -m dion3_titan.train`` on 0.3 (CPU shims when no accelerator).
+
+Only this package (and plugin.py/job_config.py/train.py for 0.2) imports torchtitan.
+"""

@@ -1,0 +1,39 @@
+"""torchtitan 0.3's metrics processor, also logging Dion3's optimizer metrics
+(dion3_titan/metrics.py: time, communication, update RMS, selection) on its logging steps:
+``metrics=Dion3MetricsProcessor.Config(log_freq=10)`` with
+``Dion3Optimizers.Config(optimizer_metrics=True, ...)``. TensorBoard/W&B get them under
+``optimizer/...``; the console gets one ``[dion3]`` line."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.tools.logging import logger
+
+
+class Dion3MetricsProcessor(MetricsProcessor):
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        pass
+
+    @property
+    def optimizers(self):
+        return self._dion3_optimizers
+
+    @optimizers.setter
+    def optimizers(self, value) -> None:
+        # The trainer hands the optimizers container over once it is built: it learns the
+        # logging steps here, so it measures exactly those steps.
+        self._dion3_optimizers = value
+        if hasattr(value, "collect_metrics"):
+            value._log_freq = self.config.log_freq
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
+        opts = self.optimizers
+        ours = opts.collect_metrics() if hasattr(opts, "collect_metrics") else {}
+        if hasattr(opts, "collect_metrics"):
+            opts._step = step  # stays aligned with the trainer's step after a resume
+        if ours:
+            logger.info(f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/'):]}={v:.4g}" for k, v in ours.items()))
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **ours})
