@@ -4,5 +4,5 @@
 # stopping before step 1, FSDP x TP and EP on 4 ranks, the fused-weight splits).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env_titan03.sh
+TITAN=0.3 bash scripts/setup_env.sh
 exec .venv03/bin/python -m pytest -q -p no:cacheprovider --timeout 900 tests/titan03 "$@"

@@ -15,13 +15,11 @@ Dion3Config (and PRMuonConfig for "PRMuon"), validated when the config is built 
 torchtitan parses the config function and the command line, before any model exists.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
@@ -172,36 +170,6 @@ class Dion3Optimizers(OptimizersContainer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for runner in self._runners:
             runner.zero_grad(set_to_none=set_to_none)
-
-    # ---------------------------------------------------------------- checkpoints
-    # torchtitan saves the flat, FQN-keyed state of every optimizer with DCP, which keeps one
-    # copy of a plain (non-DTensor) tensor for all ranks. NorMuon's second moment of a fused
-    # weight's piece that the shards cut unevenly is such a tensor, yet holds this rank's rows
-    # only (dist/layout.py row_state): it travels under a key of its own per rank, so a resume
-    # on the same sharding restores every rank's part.
-    def _rank_local_keys(self) -> set[str]:
-        keys = set()
-        for opt in self.optimizers:
-            if not isinstance(opt, Dion3):
-                continue
-            for g in opt.param_groups:
-                for p, fqn in zip(g["params"], g["param_names"]):
-                    if isinstance(p, DTensor):
-                        keys |= {f"state.{fqn}.{k}" for k, v in opt.state[p].items()
-                                 if torch.is_tensor(v) and not isinstance(v, DTensor) and v.ndim > 0}
-        return keys
-
-    def _rank_suffix(self) -> str:
-        return f"@rank{dist.get_rank() if dist.is_initialized() else 0}"
-
-    def state_dict(self) -> dict[str, Any]:
-        flat = super().state_dict()
-        local, suffix = self._rank_local_keys(), self._rank_suffix()
-        return {k + suffix if k in local else k: v for k, v in flat.items()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        suffix = self._rank_suffix()
-        super().load_state_dict({k.removesuffix(suffix): v for k, v in state_dict.items()})
 
     def collect_metrics(self) -> dict[str, float]:
         """Metrics of the last measured step, summed (comm, time) or averaged over optimizers."""
