@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dion3_titan import Dion3
+from dion3_titan.optim.config import MUON_QUINTIC, Dion3Config
 from dion3_titan.optim.routing import build_param_groups, clean_name, is_matrix
 from tests.reference import TextbookMuon, ns_settings_fp32, textbook_ns
 
@@ -452,3 +453,41 @@ def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
     assert not calls
     assert all(torch.equal(a, b) for a, b in zip(fast, general))
     assert not all(torch.equal(a, p) for a, p in zip(fast, params))  # it did update
+
+
+# ------------------------------------------------------------------------------ torch.optim.Muon
+# torch's adjust_lr_fn and our lr_rule that give every shape the same multiplier: "original" is
+# sqrt(max(1, d_out/d_in)), which "spectral" equals for tall and square matrices only.
+TORCH_LR_RULES = {"match_rms_adamw": ("rms", [(16, 48), (40, 12), (24, 24)]), "original": ("spectral", [(40, 12), (24, 24)])}
+
+
+def _displacement_vs_torch_muon(adjust_lr_fn: str, coefficients) -> float:
+    """Relative difference of W_10 - W_0 between Dion3 (f = 1, Muon flavor, standard NS in
+    bf16) and torch.optim.Muon (nesterov off, weight decay on) fed the same gradients."""
+    lr_rule, shapes = TORCH_LR_RULES[adjust_lr_fn]
+    start = make_params(3, shapes=shapes)
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in start]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in start]
+    opt = Dion3(ours, lr=0.02, fraction=1.0, flavor="muon", momentum=0.95, weight_decay=0.1, lr_rule=lr_rule,
+                ns_algorithm="standard", ns_coefficients=coefficients, ns_dtype="bfloat16", backend="torch")
+    ref = torch.optim.Muon(theirs, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=False, adjust_lr_fn=adjust_lr_fn)
+    for t in range(10):
+        for a, b, g in zip(ours, theirs, random_grads(t, shapes, seed=5)):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    d_ours = torch.cat([(a - p).detach().flatten() for a, p in zip(ours, start)])
+    d_torch = torch.cat([(b - p).detach().flatten() for b, p in zip(theirs, start)])
+    return float((d_ours - d_torch).norm() / d_torch.norm())
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+@pytest.mark.parametrize("adjust_lr_fn", sorted(TORCH_LR_RULES))
+def test_f1_muon_coefficients_follow_torch_muon(adjust_lr_fn):
+    """ns_coefficients="muon" is Muon's quintic whatever ns_safety_factor says: 10 steps stay
+    within 2% of torch.optim.Muon's displacement (bf16 NS rounds differently in the two). The
+    same quintic divided by 1.05 (what a safety factor would do) leaves that band."""
+    assert Dion3Config(ns_coefficients="muon", ns_safety_factor=1.2).coefficients() == (MUON_QUINTIC,) * 5
+    assert _displacement_vs_torch_muon(adjust_lr_fn, "muon") < 0.02
+    scaled = [(a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in (MUON_QUINTIC,) * 5]
+    assert _displacement_vs_torch_muon(adjust_lr_fn, scaled) > 0.05
