@@ -16,7 +16,7 @@ from tests.reference import TextbookMuon, ns_settings_fp32, textbook_ns
 pytestmark = pytest.mark.timeout(120)
 
 # wide, a second wide of the same shape and a 3D stack of that shape (one shape group: offsets),
-# tall (rows = W's columns), square, and a tall 3D stack.
+# tall, square, and a tall 3D stack. Rows are W's rows (dim -2) whatever the shape.
 SHAPES = [(16, 48), (16, 48), (40, 12), (24, 24), (3, 16, 48), (2, 32, 8)]
 NAMES = ["wide", "wide2", "tall", "square", "stack", "stack_tall"]
 
@@ -32,9 +32,8 @@ def random_grads(step: int, shapes=SHAPES, seed: int = 100) -> list[torch.Tensor
 
 
 def oriented(t: torch.Tensor) -> torch.Tensor:
-    """(E, R, C) with R = the smaller of W's two dims (the selection dim when unsharded)."""
-    m = t.reshape(-1, *t.shape[-2:])
-    return m.mT if t.shape[-2] > t.shape[-1] else m
+    """(E, R, C) with R = W's rows (the selection dim)."""
+    return t.reshape(-1, *t.shape[-2:])
 
 
 def k_rows(fraction: float, rows: int) -> int:
@@ -79,13 +78,15 @@ def test_f1_equals_textbook(flavor, lr_rule):
     torch.testing.assert_close(bias.detach(), ref_bias.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_normuon_orientation_matters():
-    """Guard for the textbook test: NorMuon on a tall matrix normalizes W's columns; doing it on
-    W's rows instead gives a measurably different update (so the test above can fail)."""
+@pytest.mark.parametrize("selection_dim", ["rows", "cols"])
+def test_normuon_orientation_matters(selection_dim):
+    """NorMuon normalizes along the selection dim: W's rows (output neurons) by default, also for
+    a tall matrix, as microsoft/dion does; W's columns with selection_dim="cols". The two give
+    measurably different updates (so the textbook test above can fail)."""
     g = torch.Generator().manual_seed(4)
     w = torch.nn.Parameter(torch.randn(40, 12, generator=g))
     w0 = w.detach().clone()
-    opt = Dion3([w], flavor="normuon", ns_dtype="float32", lr=0.1)
+    opt = Dion3([w], flavor="normuon", ns_dtype="float32", lr=0.1, selection_dim=selection_dim)
     grad = torch.randn(40, 12, generator=g) * torch.logspace(-1, 1, 12)  # uneven columns
     w.grad = grad.clone()
     opt.step()
@@ -97,10 +98,11 @@ def test_normuon_orientation_matters():
         hat = oo / (v.sqrt() + 1e-8)[:, None]
         return hat * (oo.norm() / hat.norm())
 
-    by_cols = w0 - scale * normuon(o.T).T
     by_rows = w0 - scale * normuon(o)
-    torch.testing.assert_close(w.detach(), by_cols, rtol=1e-5, atol=2e-6)
-    assert (w.detach() - by_rows).abs().max() > 1e-3
+    by_cols = w0 - scale * normuon(o.T).T
+    want, other = (by_rows, by_cols) if selection_dim == "rows" else (by_cols, by_rows)
+    torch.testing.assert_close(w.detach(), want, rtol=1e-5, atol=2e-6)
+    assert (w.detach() - other).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------------------ f < 1
@@ -421,8 +423,8 @@ def test_resume_keeps_every_split_piece_variance_float32():
 def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
     """At f = 1 on one rank the step normalizes each momentum view straight into the NS batch;
     the general path (float32 concatenation, then normalization) must give the same bits. Wide
-    and tall shape groups (the tall one selects the weight's columns) and a split-free group
-    of two matrices each."""
+    and tall shape groups (the tall one in a selection_dim="cols" group, so that it selects the
+    weight's columns: a transposed batch) of two matrices each."""
     gen = torch.Generator().manual_seed(11)
     shapes = [(24, 40), (24, 40), (56, 16), (56, 16)]
     params = [torch.randn(*s, generator=gen) for s in shapes]
@@ -430,7 +432,8 @@ def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
 
     def run(force_general: bool) -> list[torch.Tensor]:
         ps = [torch.nn.Parameter(p.clone()) for p in params]
-        opt = Dion3(ps, lr=0.02, fraction=1.0, flavor=flavor, ns_dtype="float32", backend="torch")
+        groups = [{"params": ps[:2]}, {"params": ps[2:], "selection_dim": "cols"}]
+        opt = Dion3(groups, lr=0.02, fraction=1.0, flavor=flavor, ns_dtype="float32", backend="torch")
         if force_general:
             for sg in opt._groups:
                 sg.exchange.moves_data = True  # as if the batch had to travel: pack it first

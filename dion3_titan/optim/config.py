@@ -15,7 +15,7 @@ NS_ALGORITHMS = ("gram", "standard", "auto")
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 SELECTIONS = ("l1", "random")
 SELECTION_SCOPES = ("local", "global")
-SELECTION_DIMS = ("auto", "rows", "cols")
+SELECTION_DIMS = ("rows", "cols")
 BACKENDS = ("auto", "torch", "triton", "cute")
 NONFINITE = ("raise", "skip")
 
@@ -88,7 +88,9 @@ class Dion3Config:
     ns_eps: float = 1e-7
     selection: str = "l1"  # "l1" (largest row l1 norms) or "random"
     selection_scope: str = "local"  # "local": top rows of each shard; "global": of the whole matrix
-    selection_dim: str = "auto"  # "auto": the sharded dim, else the smaller; "rows" (dim -2); "cols" (dim -1)
+    # "rows": select rows of W (dim -2, output neurons; what NorMuon normalizes); "cols": dim -1.
+    # Never chosen from the sharding, so one process and N ranks run the same algorithm.
+    selection_dim: str = "rows"
     backend: str = "auto"  # kernels: "auto" | "torch" | "triton" | "cute"
     megabatch: bool = True  # one batch (and one collective each way) per shape group; False:
     # batches of as many matrices as the shards of each (for comparisons, paper Table 1)
