@@ -15,7 +15,8 @@ value is not the default, ``_mu<μ>`` for a non-default ``--momentum``):
   prmuon             Periodic Row-wise Muon (dion3_titan.optim.prmuon)
   msdion3n_f<f>      microsoft/dion's Dion3 (NorMuon flavor, ``import dion``: the paper authors'
                      code) at f = ``--fraction``, lr η/√f (it has no lr transfer of its own), for
-                     a side-by-side check of ours; skipped when ``dion`` cannot be imported
+                     a side-by-side check of ours; only when ``--runs`` names it, skipped when
+                     ``dion`` cannot be imported
 Block matrices go to the orthogonalizing optimizer through ``routing.build_param_groups``;
 embeddings, the output head and norms to AdamW (``--scalar-lr``, no weight decay; App. D.1).
 
@@ -399,10 +400,10 @@ def default_runs(args: argparse.Namespace) -> list[RunSpec]:
         runs.append(RunSpec(f"msdion3n_f{f:g}{tag}", "ms_dion3", lr / math.sqrt(f), {"fraction": f},
                             f"microsoft/dion Dion3 (normuon) f={f:g}, its lr = base lr/sqrt(f)"))
         runs.append(RunSpec(f"prmuon{tag}", "prmuon", lr, label="Periodic Row-wise Muon (defaults: K=3, gamma=0.15, NS5)"))
-    if args.runs:
-        wanted = args.runs.split(",")
-        runs = [r for r in runs if any(r.name.startswith(w) for w in wanted)]
-    return runs
+    if not args.runs:
+        return [r for r in runs if r.kind != "ms_dion3"]
+    wanted = args.runs.split(",")
+    return [r for r in runs if any(r.name.startswith(w) for w in wanted)]
 
 
 # ----------------------------------------------------------------------------- timing
