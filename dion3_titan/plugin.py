@@ -87,7 +87,7 @@ def dion3_options(cfg: OptimizerConfig) -> dict[str, Any]:
         )
     engine = NAMES[cfg.name]
     opts: dict[str, Any] = {}
-    for key in ("lr", "weight_decay") + _DION3_KEYS + _PRMUON_KEYS:
+    for key in _DION3_KEYS + _PRMUON_KEYS:
         value = getattr(cfg, key, None)
         if value is None:
             continue
@@ -156,12 +156,9 @@ class Dion3OptimizersContainer(OptimizersContainer):
         optimizer_cls = NAMES[cfg.name].cls
         options = dion3_options(cfg)
         lr = options.pop("lr", Dion3Config.lr)
-        adamw = {
-            "adamw_lr": cfg.adamw_lr,
-            "adamw_betas": (cfg.beta1, cfg.beta2),
-            "adamw_eps": cfg.eps,
-            "adamw_weight_decay": 0.0 if cfg.adamw_weight_decay is None else cfg.adamw_weight_decay,
-        }
+        adamw = {"adamw_betas": (cfg.beta1, cfg.beta2), "adamw_eps": cfg.eps}
+        # unset: build_param_groups' defaults (the matrix lr; no weight decay)
+        adamw.update({k: v for k in ("adamw_lr", "adamw_weight_decay") if (v := getattr(cfg, k)) is not None})
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []
