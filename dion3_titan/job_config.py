@@ -6,9 +6,12 @@ fields are generated from the optimizers' own config dataclasses (`Dion3Config`,
 `PRMuonConfig` for name = "prmuon"), the one source of key names. Every generated key defaults
 to None, meaning "not set": the optimizer named by `name` then applies its own default (Dion3's
 and Periodic Row-wise Muon's differ, e.g. `ns_coefficients`), and a key set against the name
-("muon" with fraction = 0.5) is told apart from a default. Keys torchtitan already has (`lr`,
-`weight_decay`) keep torchtitan's meaning and defaults, so AdamW jobs are unchanged.
-Importing this module also registers the plugin (wrapped TrainSpecs, offline datasets).
+("muon" with fraction = 0.5) is told apart from a default. torchtitan's own `lr` and
+`weight_decay` are redeclared the same way (default None), because their torchtitan defaults
+(8e-4, 0.1) are AdamW's: left out, our names get Dion3's defaults (0.02, 0.0) and every other
+name gets torchtitan's (the plugin fills them in before torchtitan's builder runs, so AdamW
+jobs are unchanged). Importing this module also registers the plugin (wrapped TrainSpecs,
+offline datasets).
 
 No `from __future__ import annotations` here: torchtitan's merge calls `is_dataclass(f.type)`,
 which is False for string annotations, and the `[optimizer]` extension would silently replace
@@ -25,10 +28,18 @@ from dion3_titan import plugin
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.prmuon import PRMuonConfig
 
+# torchtitan keys whose torchtitan defaults are AdamW's: None = unset (see the docstring).
+UNSET_TITAN_FIELDS: list[tuple[str, Any, Any]] = [
+    ("lr", float | None, field(default=None)),
+    ("weight_decay", float | None, field(default=None)),
+]
+
 # Keys only the plugin reads (not hyperparameters of the matrix groups).
 PLUGIN_FIELDS: list[tuple[str, Any, Any]] = [
     # AdamW learning rate of embeddings/output/norms/biases; unset = `lr` (the matrix lr).
     ("adamw_lr", float | None, field(default=None)),
+    # AdamW weight decay of those parameters; unset = 0.0 (weight_decay is the matrices').
+    ("adamw_weight_decay", float | None, field(default=None)),
     # Capture the whole optimizer step in a CUDA graph after `cuda_graph_warmup` eager steps.
     ("cuda_graph", bool | None, field(default=None)),
     ("cuda_graph_warmup", int | None, field(default=None)),
@@ -69,13 +80,13 @@ def optimizer_keys() -> dict[str, Any]:
 
 Optimizer = dataclasses.make_dataclass(
     "Optimizer",
-    [(k, t | None, field(default=None)) for k, t in optimizer_keys().items()] + PLUGIN_FIELDS,
+    [(k, t | None, field(default=None)) for k, t in optimizer_keys().items()] + UNSET_TITAN_FIELDS + PLUGIN_FIELDS,
     namespace={"__module__": __name__},
 )
 Optimizer.__doc__ = (
     "dion3_titan's [optimizer] keys, named after Dion3Config / PRMuonConfig fields. They apply "
     "when name is 'dion3', 'muon', 'normuon' or 'prmuon' and are ignored by torchtitan's "
-    "Adam/AdamW. Unset (None) = the named optimizer's default."
+    "Adam/AdamW. Unset (None) = the named optimizer's default (lr and weight_decay too)."
 )
 
 

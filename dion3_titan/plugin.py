@@ -26,23 +26,45 @@ from torchtitan.tools.logging import logger
 
 from dion3_titan.metrics import OptimizerMetrics
 from dion3_titan.names import DION3_KEYS, NAMES, PRMUON_KEYS, resolve_options
+from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup
 from dion3_titan.optim.dion3 import Dion3
 from dion3_titan.optim.routing import build_param_groups
 from dion3_titan.optim.split import with_auto_split_specs
 
 
+EXTENSION = "dion3_titan.job_config"
+# torchtitan's defaults of the keys our extension redeclares as unset (None): AdamW's values
+_TITAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig) if f.name in ("lr", "weight_decay")}
+
+
+def has_extension(cfg: OptimizerConfig) -> bool:
+    """True when the job config was built with our `[optimizer]` keys (custom_config_module)."""
+    return hasattr(cfg, "adamw_weight_decay")
+
+
+def with_titan_defaults(cfg: OptimizerConfig) -> OptimizerConfig:
+    """`cfg` with torchtitan's own defaults in place of unset `lr`/`weight_decay`: what
+    torchtitan's builders get for names that are not ours."""
+    unset = {k: v for k, v in _TITAN_DEFAULTS.items() if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, **unset) if unset else cfg
+
+
 def dion3_options(cfg: OptimizerConfig) -> dict[str, Any]:
     """Keyword arguments for the optimizer `cfg.name` names, validated (ValueError naming the
-    key and its allowed values). Only keys the user set are passed (unset keys are None, or
-    absent without custom_config_module), so the optimizer's own defaults apply to the rest.
-    `lr`/`weight_decay` are torchtitan's own keys and always passed."""
+    key and its allowed values). Only keys the user set are passed (unset keys are None), so
+    the optimizer's own defaults apply to the rest, `lr` and `weight_decay` included."""
+    if not has_extension(cfg):
+        raise ValueError(
+            f"[optimizer] name={cfg.name!r} needs [job] custom_config_module = {EXTENSION!r} (or a "
+            "JobConfig that extends it): without it lr and weight_decay are torchtitan's AdamW "
+            "defaults and the Dion3 keys do not exist"
+        )
     opts: dict[str, Any] = {}
     for key in DION3_KEYS + PRMUON_KEYS:
         value = getattr(cfg, key, None)
         if value is not None:
             opts[key] = value
-    opts["lr"], opts["weight_decay"] = cfg.lr, cfg.weight_decay
     return resolve_options(cfg.name, opts)
 
 
@@ -91,13 +113,10 @@ class Dion3OptimizersContainer(OptimizersContainer):
     def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig) -> None:
         optimizer_cls = NAMES[cfg.name].cls
         options = dion3_options(cfg)
-        lr = options.pop("lr")
-        adamw = {
-            "adamw_lr": getattr(cfg, "adamw_lr", None),
-            "adamw_betas": (cfg.beta1, cfg.beta2),
-            "adamw_eps": cfg.eps,
-            "adamw_weight_decay": cfg.weight_decay,
-        }
+        lr = options.pop("lr", Dion3Config.lr)
+        adamw = {"adamw_betas": (cfg.beta1, cfg.beta2), "adamw_eps": cfg.eps}
+        # unset: build_param_groups' defaults (the matrix lr; no weight decay)
+        adamw.update({k: v for k in ("adamw_lr", "adamw_weight_decay") if (v := getattr(cfg, k)) is not None})
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []
@@ -220,7 +239,7 @@ def wrap_builder(original: Callable[..., OptimizersContainer]) -> Callable[..., 
         ft_manager: FTManager | None = None,
     ) -> OptimizersContainer:
         if optimizer_config.name not in NAMES:
-            return original(model_parts, optimizer_config, parallel_dims, ft_manager)
+            return original(model_parts, with_titan_defaults(optimizer_config), parallel_dims, ft_manager)
         if original is titan_optim.build_optimizers:
             return build_dion3_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
         with _titan_builder_replaced(build_dion3_optimizers):

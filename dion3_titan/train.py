@@ -53,8 +53,8 @@ def main(trainer_class: type[Any] | None = None) -> None:
 
     from dion3_titan import plugin
 
-    # Registered even when the TOML does not name dion3_titan.job_config, so "dion3"/"muon"
-    # with default hyperparameters and the offline dataset work from any config.
+    # Registered even when the TOML does not name dion3_titan.job_config, so the offline
+    # dataset works from any config (naming "dion3" without it stops with a message saying so).
     plugin.register()
     check_optimizer_config(sys.argv[1:])
     _release_graphs_before_teardown()

@@ -13,6 +13,10 @@ value is not the default, ``_mu<μ>`` for a non-default ``--momentum``):
   dion3_f0.25        Dion3 f=1/4, lr transfer η/√f (our default), NS algorithm "auto"
   normuon_plain, dion3n_*   the same four with the NorMuon flavor (the paper's main setting)
   prmuon             Periodic Row-wise Muon (dion3_titan.optim.prmuon)
+  msdion3n_f<f>      microsoft/dion's Dion3 (NorMuon flavor, ``import dion``: the paper authors'
+                     code) at f = ``--fraction``, lr η/√f (it has no lr transfer of its own), for
+                     a side-by-side check of ours; only when ``--runs`` names it, skipped when
+                     ``dion`` cannot be imported
 Block matrices go to the orthogonalizing optimizer through ``routing.build_param_groups``;
 embeddings, the output head and norms to AdamW (``--scalar-lr``, no weight decay; App. D.1).
 
@@ -270,7 +274,7 @@ def lr_multiplier(step: int, steps: int, warmup: int, cooldown_frac: float, fina
 @dataclass
 class RunSpec:
     name: str
-    kind: str  # "adamw" | "torch_muon" | "dion3" | "prmuon"
+    kind: str  # "adamw" | "torch_muon" | "dion3" | "prmuon" | "ms_dion3"
     lr: float  # peak lr of the matrices (AdamW runs: of everything)
     options: dict = field(default_factory=dict)  # extra constructor keywords
     label: str = ""  # one line for tables and legends
@@ -325,6 +329,16 @@ def make_optimizer(spec: RunSpec, model: nn.Module, args: argparse.Namespace, fu
         )
         adamw = torch.optim.AdamW(scalars, lr=args.scalar_lr, betas=betas, weight_decay=0.0, fused=fused)
         return Combined(muon, adamw)
+    if spec.kind == "ms_dion3":
+        from dion import Dion3 as MsDion3
+
+        matrices, scalars = split_params(model)
+        groups = [
+            {"params": matrices},
+            {"params": scalars, "algorithm": "adamw", "lr": args.scalar_lr, "weight_decay": 0.0},
+        ]
+        return MsDion3(groups, lr=spec.lr, mu=args.momentum, weight_decay=args.matrix_weight_decay,
+                       betas=betas, epsilon=1e-8, **spec.options)
     groups = build_param_groups(
         model.named_parameters(), adamw_lr=args.scalar_lr, adamw_betas=betas, adamw_weight_decay=0.0
     )
@@ -343,11 +357,14 @@ def make_optimizer(spec: RunSpec, model: nn.Module, args: argparse.Namespace, fu
     raise ValueError(f"unknown run kind {spec.kind!r}")
 
 
-def prmuon_available() -> str | None:
-    """None when Periodic Row-wise Muon can be imported, else why not."""
+def missing(kind: str) -> str | None:
+    """Why runs of ``kind`` cannot be made here (an optional import fails), else None."""
     try:
-        from dion3_titan.optim.prmuon import PeriodicRowwiseMuon  # noqa: F401
-    except Exception as e:  # an in-progress module may fail in any way: report, don't crash
+        if kind == "prmuon":
+            from dion3_titan.optim.prmuon import PeriodicRowwiseMuon  # noqa: F401
+        elif kind == "ms_dion3":
+            from dion import Dion3  # noqa: F401
+    except Exception as e:  # an optional or in-progress module may fail in any way: report, don't crash
         return f"{type(e).__name__}: {e}"
     return None
 
@@ -380,11 +397,13 @@ def default_runs(args: argparse.Namespace) -> list[RunSpec]:
                 RunSpec(f"{prefix}_f{f:g}{tag}", "dion3", lr, {"fraction": f, "flavor": flavor},
                         f"Dion3 ({flavor}) f={f:g}, lr/sqrt(f), NS auto"),
             ]
+        runs.append(RunSpec(f"msdion3n_f{f:g}{tag}", "ms_dion3", lr / math.sqrt(f), {"fraction": f},
+                            f"microsoft/dion Dion3 (normuon) f={f:g}, its lr = base lr/sqrt(f)"))
         runs.append(RunSpec(f"prmuon{tag}", "prmuon", lr, label="Periodic Row-wise Muon (defaults: K=3, gamma=0.15, NS5)"))
-    if args.runs:
-        wanted = args.runs.split(",")
-        runs = [r for r in runs if any(r.name.startswith(w) for w in wanted)]
-    return runs
+    if not args.runs:
+        return [r for r in runs if r.kind != "ms_dion3"]
+    wanted = args.runs.split(",")
+    return [r for r in runs if any(r.name.startswith(w) for w in wanted)]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -633,7 +652,7 @@ def run_all(args: argparse.Namespace, argv: list[str] | None) -> dict:
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     runs = default_runs(args)
-    prm_missing = prmuon_available()
+    unavailable = {kind: missing(kind) for kind in ("prmuon", "ms_dion3")}
     calibration = None
     if args.time_budget_s > 0:
         probe = TrainBatches(train_ids, cfg.seq_len, args.batch, args.calibration_steps + 3, args.seed + 1)
@@ -677,8 +696,8 @@ def run_all(args: argparse.Namespace, argv: list[str] | None) -> dict:
     longest = 0.0
     for spec in runs:
         elapsed = time.perf_counter() - started
-        if spec.kind == "prmuon" and prm_missing:
-            report["runs"][spec.name] = {"spec": asdict(spec), "status": f"skipped: {prm_missing}"}
+        if unavailable.get(spec.kind):
+            report["runs"][spec.name] = {"spec": asdict(spec), "status": f"skipped: {unavailable[spec.kind]}"}
         elif args.deadline_s > 0 and elapsed + longest > args.deadline_s:
             report["runs"][spec.name] = {"spec": asdict(spec), "status": f"skipped: deadline ({elapsed:.0f} s)"}
         else:

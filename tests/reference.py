@@ -51,8 +51,8 @@ class TextbookMuon:
     """Muon / NorMuon as usually written (f = 1), one matrix at a time; a 3D (E, n, m) parameter
     is E independent matrices.
 
-    M <- mu M + G;  O <- NS(M);  NorMuon: per row i of the matrix oriented so that rows are its
-    smaller dimension, v_i <- b2 v_i + (1 - b2) mean_j O_ij^2, O_hat = O / (sqrt(v) + eps),
+    M <- mu M + G;  O <- NS(M);  NorMuon: per row i of W (output neuron, whatever the shape),
+    v_i <- b2 v_i + (1 - b2) mean_j O_ij^2, O_hat = O / (sqrt(v) + eps),
     O_hat *= ||O||_F / ||O_hat||_F;  W <- W (1 - lr wd) - lr * scale * O_hat.
     """
 
@@ -66,7 +66,7 @@ class TextbookMuon:
         for p in self.params:
             d_out, d_in = p.shape[-2:]
             stack = p.shape[0] if p.ndim == 3 else 1
-            self.v.append(torch.zeros(stack, min(d_out, d_in)))
+            self.v.append(torch.zeros(stack, d_out))
 
     @torch.no_grad()
     def step(self, grads) -> None:
@@ -79,12 +79,9 @@ class TextbookMuon:
             for e in range(mats_m.shape[0]):
                 o = textbook_ns(mats_m[e], self.settings)
                 if self.flavor == "normuon":
-                    tall = d_out > d_in
-                    oo = o.T if tall else o  # rows = the smaller dimension
-                    self.v[i][e] = self.beta2 * self.v[i][e] + (1 - self.beta2) * (oo * oo).mean(dim=1)
-                    hat = oo / (self.v[i][e].sqrt() + self.eps)[:, None]
-                    hat = hat * (oo.norm() / hat.norm())
-                    o = hat.T if tall else hat
+                    self.v[i][e] = self.beta2 * self.v[i][e] + (1 - self.beta2) * (o * o).mean(dim=1)
+                    hat = o / (self.v[i][e].sqrt() + self.eps)[:, None]
+                    o = hat * (o.norm() / hat.norm())
                 w = p[e] if p.ndim == 3 else p
                 new_w.append(w * (1 - self.lr * self.wd) - self.lr * scale * o)
             p.copy_(torch.stack(new_w) if p.ndim == 3 else new_w[0])

@@ -32,7 +32,7 @@ CHOICES = [
     ("ns_dtype", "float8", tuple(NS_DTYPES)),
     ("selection", "l2", SELECTIONS),
     ("selection_scope", "world", SELECTION_SCOPES),
-    ("selection_dim", "diagonal", SELECTION_DIMS),
+    ("selection_dim", "auto", SELECTION_DIMS),  # the side must never follow the sharding
     ("backend", "cuda", BACKENDS),
     ("nonfinite", "ignore", NONFINITE),
 ]

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from dion3_titan import Dion3
+from dion3_titan.optim.config import MUON_QUINTIC, Dion3Config
 from dion3_titan.optim.routing import build_param_groups, clean_name, is_matrix
 from tests.reference import TextbookMuon, ns_settings_fp32, textbook_ns
 
 pytestmark = pytest.mark.timeout(120)
 
 # wide, a second wide of the same shape and a 3D stack of that shape (one shape group: offsets),
-# tall (rows = W's columns), square, and a tall 3D stack.
+# tall, square, and a tall 3D stack. Rows are W's rows (dim -2) whatever the shape.
 SHAPES = [(16, 48), (16, 48), (40, 12), (24, 24), (3, 16, 48), (2, 32, 8)]
 NAMES = ["wide", "wide2", "tall", "square", "stack", "stack_tall"]
 
@@ -31,9 +32,8 @@ def random_grads(step: int, shapes=SHAPES, seed: int = 100) -> list[torch.Tensor
 
 
 def oriented(t: torch.Tensor) -> torch.Tensor:
-    """(E, R, C) with R = the smaller of W's two dims (the selection dim when unsharded)."""
-    m = t.reshape(-1, *t.shape[-2:])
-    return m.mT if t.shape[-2] > t.shape[-1] else m
+    """(E, R, C) with R = W's rows (the selection dim)."""
+    return t.reshape(-1, *t.shape[-2:])
 
 
 def k_rows(fraction: float, rows: int) -> int:
@@ -78,13 +78,15 @@ def test_f1_equals_textbook(flavor, lr_rule):
     torch.testing.assert_close(bias.detach(), ref_bias.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_normuon_orientation_matters():
-    """Guard for the textbook test: NorMuon on a tall matrix normalizes W's columns; doing it on
-    W's rows instead gives a measurably different update (so the test above can fail)."""
+@pytest.mark.parametrize("selection_dim", ["rows", "cols"])
+def test_normuon_orientation_matters(selection_dim):
+    """NorMuon normalizes along the selection dim: W's rows (output neurons) by default, also for
+    a tall matrix, as microsoft/dion does; W's columns with selection_dim="cols". The two give
+    measurably different updates (so the textbook test above can fail)."""
     g = torch.Generator().manual_seed(4)
     w = torch.nn.Parameter(torch.randn(40, 12, generator=g))
     w0 = w.detach().clone()
-    opt = Dion3([w], flavor="normuon", ns_dtype="float32", lr=0.1)
+    opt = Dion3([w], flavor="normuon", ns_dtype="float32", lr=0.1, selection_dim=selection_dim)
     grad = torch.randn(40, 12, generator=g) * torch.logspace(-1, 1, 12)  # uneven columns
     w.grad = grad.clone()
     opt.step()
@@ -96,10 +98,11 @@ def test_normuon_orientation_matters():
         hat = oo / (v.sqrt() + 1e-8)[:, None]
         return hat * (oo.norm() / hat.norm())
 
-    by_cols = w0 - scale * normuon(o.T).T
     by_rows = w0 - scale * normuon(o)
-    torch.testing.assert_close(w.detach(), by_cols, rtol=1e-5, atol=2e-6)
-    assert (w.detach() - by_rows).abs().max() > 1e-3
+    by_cols = w0 - scale * normuon(o.T).T
+    want, other = (by_rows, by_cols) if selection_dim == "rows" else (by_cols, by_rows)
+    torch.testing.assert_close(w.detach(), want, rtol=1e-5, atol=2e-6)
+    assert (w.detach() - other).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------------------ f < 1
@@ -420,8 +423,8 @@ def test_resume_keeps_every_split_piece_variance_float32():
 def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
     """At f = 1 on one rank the step normalizes each momentum view straight into the NS batch;
     the general path (float32 concatenation, then normalization) must give the same bits. Wide
-    and tall shape groups (the tall one selects the weight's columns) and a split-free group
-    of two matrices each."""
+    and tall shape groups (the tall one in a selection_dim="cols" group, so that it selects the
+    weight's columns: a transposed batch) of two matrices each."""
     gen = torch.Generator().manual_seed(11)
     shapes = [(24, 40), (24, 40), (56, 16), (56, 16)]
     params = [torch.randn(*s, generator=gen) for s in shapes]
@@ -429,7 +432,8 @@ def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
 
     def run(force_general: bool) -> list[torch.Tensor]:
         ps = [torch.nn.Parameter(p.clone()) for p in params]
-        opt = Dion3(ps, lr=0.02, fraction=1.0, flavor=flavor, ns_dtype="float32", backend="torch")
+        groups = [{"params": ps[:2]}, {"params": ps[2:], "selection_dim": "cols"}]
+        opt = Dion3(groups, lr=0.02, fraction=1.0, flavor=flavor, ns_dtype="float32", backend="torch")
         if force_general:
             for sg in opt._groups:
                 sg.exchange.moves_data = True  # as if the batch had to travel: pack it first
@@ -452,3 +456,41 @@ def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
     assert not calls
     assert all(torch.equal(a, b) for a, b in zip(fast, general))
     assert not all(torch.equal(a, p) for a, p in zip(fast, params))  # it did update
+
+
+# ------------------------------------------------------------------------------ torch.optim.Muon
+# torch's adjust_lr_fn and our lr_rule that give every shape the same multiplier: "original" is
+# sqrt(max(1, d_out/d_in)), which "spectral" equals for tall and square matrices only.
+TORCH_LR_RULES = {"match_rms_adamw": ("rms", [(16, 48), (40, 12), (24, 24)]), "original": ("spectral", [(40, 12), (24, 24)])}
+
+
+def _displacement_vs_torch_muon(adjust_lr_fn: str, coefficients) -> float:
+    """Relative difference of W_10 - W_0 between Dion3 (f = 1, Muon flavor, standard NS in
+    bf16) and torch.optim.Muon (nesterov off, weight decay on) fed the same gradients."""
+    lr_rule, shapes = TORCH_LR_RULES[adjust_lr_fn]
+    start = make_params(3, shapes=shapes)
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in start]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in start]
+    opt = Dion3(ours, lr=0.02, fraction=1.0, flavor="muon", momentum=0.95, weight_decay=0.1, lr_rule=lr_rule,
+                ns_algorithm="standard", ns_coefficients=coefficients, ns_dtype="bfloat16", backend="torch")
+    ref = torch.optim.Muon(theirs, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=False, adjust_lr_fn=adjust_lr_fn)
+    for t in range(10):
+        for a, b, g in zip(ours, theirs, random_grads(t, shapes, seed=5)):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    d_ours = torch.cat([(a - p).detach().flatten() for a, p in zip(ours, start)])
+    d_torch = torch.cat([(b - p).detach().flatten() for b, p in zip(theirs, start)])
+    return float((d_ours - d_torch).norm() / d_torch.norm())
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+@pytest.mark.parametrize("adjust_lr_fn", sorted(TORCH_LR_RULES))
+def test_f1_muon_coefficients_follow_torch_muon(adjust_lr_fn):
+    """ns_coefficients="muon" is Muon's quintic whatever ns_safety_factor says: 10 steps stay
+    within 2% of torch.optim.Muon's displacement (bf16 NS rounds differently in the two). The
+    same quintic divided by 1.05 (what a safety factor would do) leaves that band."""
+    assert Dion3Config(ns_coefficients="muon", ns_safety_factor=1.2).coefficients() == (MUON_QUINTIC,) * 5
+    assert _displacement_vs_torch_muon(adjust_lr_fn, "muon") < 0.02
+    scaled = [(a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in (MUON_QUINTIC,) * 5]
+    assert _displacement_vs_torch_muon(adjust_lr_fn, scaled) > 0.05

@@ -99,3 +99,59 @@ def test_collectives_per_step_do_not_grow_with_depth(tmp_path):
         assert r["calls"][0][0] == 2 * r["groups"], (r["calls"], r["groups"])
     assert r2["groups"] == r8["groups"] == 3
     assert r8q["calls"][0][1] <= 0.26 * r8["calls"][0][1], (r8q["calls"], r8["calls"])
+
+
+# Tall matrices (d_out > d_in: w1/w3 of an MLP), one cut unevenly by 3 ranks, a tall expert
+# stack, and a wide one for contrast.
+TALL = {"t": (96, 24), "t_uneven": (50, 16), "t_stack": (3, 40, 16), "w": (24, 72)}
+
+
+def _fsdp_vs_one_process(rank, world, configs, out_path):
+    """Global selection, default selection side: FSDP on ``world`` ranks and one process on
+    plain tensors (no DTensor, no process group involved) fed the same gradients."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from dion3_titan import Dion3
+
+    results = []
+    for fraction, flavor in configs:
+        opts = dict(lr=0.05, fraction=fraction, flavor=flavor, selection_scope="global", ns_dtype="float32",
+                    weight_decay=0.1, backend="torch")
+        sharded, plain, cols = Bag(1, TALL), Bag(1, TALL), Bag(1, TALL)
+        fully_shard(sharded)
+        params, plain_params, cols_params = list(sharded.parameters()), list(plain.parameters()), list(cols.parameters())
+        shapes = [tuple(p.shape) for p in plain_params]
+        # the side the old world-size-dependent rule took on one process: the guard
+        opts_cols = {**opts, "selection_dim": "cols"}
+        opt, plain_opt, cols_opt = Dion3(params, **opts), Dion3(plain_params, **opts), Dion3(cols_params, **opts_cols)
+        for step in range(4):
+            for p, q, c, g in zip(params, plain_params, cols_params, grads_for(step, shapes)):
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+                q.grad, c.grad = g.clone(), g.clone()
+            opt.step()
+            plain_opt.step()
+            cols_opt.step()
+        variance = [(opt.state[p]["variance"].full_tensor(), plain_opt.state[q]["variance"])
+                    for p, q in zip(params, plain_params) if flavor == "normuon"]
+        results.append(([p.full_tensor() for p in params], [q.detach() for q in plain_params], variance,
+                        [c.detach() for c in cols_params]))
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_fsdp_equals_one_process_on_tall_matrices(tmp_path):
+    """The selection side never depends on the world size: on 3 ranks with global selection,
+    tall matrices (rows selected, FSDP's row shards) give one process's weights and NorMuon
+    state (same shape, same values)."""
+    configs = [(0.25, "normuon"), (0.25, "muon"), (1.0, "normuon")]
+    out = tmp_path / "tall.pt"
+    spawn(3, _fsdp_vs_one_process, configs, str(out))
+    for config, (got, want, variance, by_cols) in zip(configs, torch.load(out)):
+        for name, a, b in zip(TALL, got, want):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (config, name, (a - b).abs().max())
+        for name, (a, b) in zip(TALL, variance):
+            assert a.shape == b.shape, (config, name, a.shape, b.shape)
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-9), (config, name, ((a - b).abs() / b.abs().clamp(min=1e-12)).max())
+        if config[0] < 1:  # selecting columns is another algorithm (so this test can fail)
+            assert (by_cols[0] - want[0]).abs().max() > 1e-3, config

@@ -5,6 +5,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.titan_helpers import CONFIGS, ensure_corpus, logged_losses, run_titan
 
@@ -24,10 +25,64 @@ def test_every_optimizer_config_key_is_an_optimizer_key() -> None:
     cfg = _titan_config()
     for f in dataclasses.fields(Dion3Config) + dataclasses.fields(PRMuonConfig):
         assert hasattr(cfg.optimizer, f.name), f.name
-        if f.name not in ("lr", "weight_decay"):  # torchtitan's keys keep torchtitan's defaults
-            assert getattr(cfg.optimizer, f.name) is None, f.name  # unset: the optimizer's default
-    assert cfg.optimizer.name == "AdamW" and cfg.optimizer.lr == 8e-4  # AdamW defaults untouched
-    assert cfg.optimizer.weight_decay == 0.1
+        assert getattr(cfg.optimizer, f.name) is None, f.name  # unset: the named optimizer's default
+    assert cfg.optimizer.adamw_weight_decay is None
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(16, 8)
+        self.w1 = torch.nn.Linear(8, 24, bias=False)
+        self.norm = torch.nn.RMSNorm(8)
+
+
+def _groups(cfg) -> dict[str, tuple[float, float]]:
+    """(lr, weight_decay) of each param group the plugin builds for ``cfg`` on a tiny model."""
+    from torchtitan.components.optimizer import build_optimizers
+
+    from dion3_titan.plugin import wrap_builder
+
+    container = wrap_builder(build_optimizers)([_Tiny()], cfg.optimizer, parallel_dims=None)
+    groups = [g for o in container.optimizers for g in o.param_groups]
+    return {g.get("algorithm", "torch"): (g["lr"], g["weight_decay"]) for g in groups}
+
+
+def test_config_without_lr_gets_the_dion3_defaults(tmp_path: Path) -> None:
+    """A shipped Dion3 config with its lr and weight_decay lines removed trains the matrices at
+    Dion3's lr 0.02 without weight decay, not at torchtitan's AdamW defaults (8e-4, 0.1); the
+    AdamW group (adamw_lr 0.003 in that file) is not decayed either."""
+    text = LLAMA.read_text()
+    lines = [line for line in text.splitlines() if not line.startswith(("lr =", "weight_decay ="))]
+    assert len(lines) == len(text.splitlines()) - 2
+    path = tmp_path / "no_lr.toml"
+    path.write_text("\n".join(lines))
+    cfg = _titan_config("--job.config_file", str(path))
+    assert cfg.optimizer.name == "dion3" and cfg.optimizer.lr is None and cfg.optimizer.weight_decay is None
+    assert _groups(cfg) == {"dion3": (0.02, 0.0), "adamw": (0.003, 0.0)}
+
+
+def test_weight_decay_keys_per_group() -> None:
+    """weight_decay decays the matrices, adamw_weight_decay the AdamW group (0 when unset)."""
+    cfg = _titan_config("--optimizer.name", "dion3", "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
+    assert _groups(cfg) == {"dion3": (0.01, 0.1), "adamw": (0.01, 0.0)}
+    cfg = _titan_config("--optimizer.name", "normuon", "--optimizer.adamw_weight_decay", "0.05")
+    assert _groups(cfg) == {"dion3": (0.02, 0.0), "adamw": (0.02, 0.05)}
+
+
+def test_adamw_keeps_torchtitan_defaults() -> None:
+    """With our keys loaded, name = "AdamW" still gets torchtitan's own lr and weight decay."""
+    assert _groups(_titan_config("--optimizer.implementation", "foreach")) == {"torch": (8e-4, 0.1)}
+
+
+def test_dion3_without_the_extension_says_which_key_to_set() -> None:
+    from torchtitan.config import ConfigManager
+
+    from dion3_titan.plugin import dion3_options
+
+    cfg = ConfigManager().parse_args(["--optimizer.name", "dion3"])
+    with pytest.raises(ValueError, match="custom_config_module = 'dion3_titan.job_config'"):
+        dion3_options(cfg.optimizer)
 
 
 def test_cli_overrides_reach_dion3_options() -> None:

@@ -130,17 +130,10 @@ class MatrixLayout:
         return tuple(s for s in self.shards if s.tensor_dim in (-2, -1))
 
 
-def _choose_row_dim(global_shape: tuple[int, ...], sharded_matrix_dims: set[int], selection_dim: str) -> int:
-    if selection_dim == "rows":
-        return -2
-    if selection_dim == "cols":
-        return -1
-    # "auto": select along the dim a shard cuts (its rows stay whole locally); else the smaller.
-    if -2 in sharded_matrix_dims:
-        return -2
-    if -1 in sharded_matrix_dims:
-        return -1
-    return -2 if global_shape[-2] <= global_shape[-1] else -1
+# selection_dim (validated by Dion3Config) -> the dim of W that rows are selected along. Fixed
+# per matrix, never taken from the sharding: FSDP on N ranks must run the algorithm of one
+# process and load its state.
+ROW_DIMS = {"rows": -2, "cols": -1}
 
 
 def _shard_rows(placement, size: int, chunks: int, rank: int) -> torch.Tensor:
@@ -210,11 +203,12 @@ def describe(param: torch.Tensor, selection_dim: str, piece: slice | None = None
     """Read a parameter's DTensor mesh and placements (or a plain tensor) into a layout.
 
     With ``piece`` (a row slice of dim -2) the layout describes that piece as its own matrix:
-    global shape (..., len(piece), d_in), the piece's rows in this rank's shard (possibly none)
-    and a row_dim chosen for the piece's shape."""
+    global shape (..., len(piece), d_in) and the piece's rows in this rank's shard (possibly
+    none). ``selection_dim`` ("rows" or "cols") alone fixes the row dim."""
     if param.ndim not in (2, 3):
         raise ValueError(f"a Dion3 parameter must be 2D or 3D, got shape {tuple(param.shape)}")
     global_shape = tuple(param.shape)
+    row_dim = ROW_DIMS[selection_dim]
     name = name or f"parameter of shape {global_shape}"
     rows = global_shape[-2]
     if piece is not None:
@@ -225,9 +219,7 @@ def describe(param: torch.Tensor, selection_dim: str, piece: slice | None = None
         piece_global = (*global_shape[:-2], n, global_shape[-1])
     if not is_dtensor(param):
         if piece is None:
-            row_dim = _choose_row_dim(global_shape, set(), selection_dim)
             return MatrixLayout(global_shape, global_shape, row_dim)
-        row_dim = _choose_row_dim(piece_global, set(), selection_dim)
         return MatrixLayout(piece_global, piece_global, row_dim, piece=piece, local_piece=piece)
     mesh = param.device_mesh
     shards, replicas = [], []
@@ -244,14 +236,11 @@ def describe(param: torch.Tensor, selection_dim: str, piece: slice | None = None
                 "Dion3 handles Shard and Replicate"
             )
     local_shape = tuple(param.to_local().shape)
-    matrix_dims = {s.tensor_dim for s in shards if s.tensor_dim >= -2}
     cuts = tuple((param.placements[s.mesh_dim], s.size) for s in shards if s.tensor_dim == -2)
     coords = tuple(s.rank for s in shards if s.tensor_dim == -2)
     if piece is None:
-        row_dim = _choose_row_dim(global_shape, matrix_dims, selection_dim)
         counts = _row_counts(rows, cuts, None) if cuts else ()
         return MatrixLayout(global_shape, local_shape, row_dim, tuple(shards), tuple(replicas), mesh, row_counts=counts)
-    row_dim = _choose_row_dim(piece_global, matrix_dims, selection_dim)
     local_piece = _local_piece(_rows_at(rows, cuts, coords), piece, name)
     n_local = len(range(local_piece.start, local_piece.stop, local_piece.step))
     piece_local = (*local_shape[:-2], n_local, local_shape[-1])

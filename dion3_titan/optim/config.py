@@ -15,7 +15,7 @@ NS_ALGORITHMS = ("gram", "standard", "auto")
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 SELECTIONS = ("l1", "random")
 SELECTION_SCOPES = ("local", "global")
-SELECTION_DIMS = ("auto", "rows", "cols")
+SELECTION_DIMS = ("rows", "cols")
 BACKENDS = ("auto", "torch", "triton", "cute")
 NONFINITE = ("raise", "skip")
 
@@ -40,20 +40,21 @@ Coefficients = tuple[tuple[float, float, float], ...]
 
 
 def coefficient_schedule(name_or_values, steps: int, safety_factor: float) -> Coefficients:
-    """The (a, b, c) of each step. ``safety_factor`` s rescales p(x) -> p(x / s) so singular
-    values up to s (rounding can push them above 1) still converge (paper App. B.2.2)."""
+    """The (a, b, c) of each step. For Polar Express, ``safety_factor`` s rescales p(x) ->
+    p(x / s) so singular values up to s (rounding can push them above 1) still converge
+    (paper App. B.2.2). "muon" is Muon's quintic exactly, and explicit triples are used as
+    given: the factor belongs to Polar Express only."""
     if isinstance(name_or_values, str):
         if name_or_values == "muon":
-            base = [MUON_QUINTIC] * steps
-        elif name_or_values == "polar_express":
+            return (MUON_QUINTIC,) * steps
+        if name_or_values == "polar_express":
+            s = safety_factor
             base = [POLAR_EXPRESS[min(t, len(POLAR_EXPRESS) - 1)] for t in range(steps)]
-        else:
-            raise ValueError(
-                f"ns_coefficients={name_or_values!r}: allowed values are {COEFFICIENT_SETS} "
-                "or an explicit list of (a, b, c) triples"
-            )
-        s = safety_factor
-        return tuple((a / s, b / s**3, c / s**5) for a, b, c in base)
+            return tuple((a / s, b / s**3, c / s**5) for a, b, c in base)
+        raise ValueError(
+            f"ns_coefficients={name_or_values!r}: allowed values are {COEFFICIENT_SETS} "
+            "or an explicit list of (a, b, c) triples"
+        )
     values = tuple(tuple(float(v) for v in abc) for abc in name_or_values)
     if not values or any(len(abc) != 3 for abc in values):
         raise ValueError("ns_coefficients: an explicit value must be a non-empty list of (a, b, c) triples")
@@ -82,12 +83,14 @@ class Dion3Config:
     ns_coefficients: object = "polar_express"  # "polar_express" | "muon" | [(a, b, c), ...]
     ns_steps: int = 5
     ns_restarts: tuple = (2,)  # Gram NS restarts after these iterations
-    ns_safety_factor: float = 1.05
+    ns_safety_factor: float = 1.05  # Polar Express only (see coefficient_schedule)
     ns_dtype: str = "float16"
     ns_eps: float = 1e-7
     selection: str = "l1"  # "l1" (largest row l1 norms) or "random"
     selection_scope: str = "local"  # "local": top rows of each shard; "global": of the whole matrix
-    selection_dim: str = "auto"  # "auto": the sharded dim, else the smaller; "rows" (dim -2); "cols" (dim -1)
+    # "rows": select rows of W (dim -2, output neurons; what NorMuon normalizes); "cols": dim -1.
+    # Never chosen from the sharding, so one process and N ranks run the same algorithm.
+    selection_dim: str = "rows"
     backend: str = "auto"  # kernels: "auto" | "torch" | "triton" | "cute"
     megabatch: bool = True  # one batch (and one collective each way) per shape group; False:
     # batches of as many matrices as the shards of each (for comparisons, paper Table 1)
