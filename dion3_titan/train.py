@@ -2,7 +2,10 @@
 trainer and `main`, with the dion3 plugin registered, plus the CPU/gloo shims when the machine
 has no accelerator."""
 
+import json
+import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -12,16 +15,33 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
 
-def check_optimizer_config(args: list[str]) -> None:
-    """Parse the job config as torchtitan will and validate the Dion3 keys now, in seconds,
-    instead of when torchtitan builds the optimizer (after the model is built and sharded)."""
-    from torchtitan.config import ConfigManager
+def check_config_or_exit(args: list[str]) -> None:
+    """Check the job config before torchtitan builds anything (dion3_titan.check_config). A bad
+    one stops every rank (each checks the same config) with exit code 2 and no traceback; rank 0
+    prints the one-line reason, which torchrun's failure table also shows as the root cause."""
+    if {"-h", "--help"} & set(args):
+        return
+    from dion3_titan.check_config import ConfigError, parse_job_config
 
-    from dion3_titan.plugin import NAMES, dion3_options
+    try:
+        parse_job_config(args)
+    except ConfigError as e:
+        message = str(e)
+        if os.environ.get("RANK", "0") == "0":
+            print(message, file=sys.stderr, flush=True)
+        _write_torchelastic_error_file(message)
+        sys.exit(2)
 
-    cfg = ConfigManager().parse_args(args).optimizer
-    if cfg.name in NAMES:
-        dion3_options(cfg)  # ValueError naming the key and its allowed values
+
+def _write_torchelastic_error_file(message: str) -> None:
+    """torchrun reads a failed worker's error file (in torchelastic's JSON format) into the
+    "traceback" row of its failure table; without one that row is a link to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(record, f)
 
 
 def main(trainer_class: type[Any] | None = None) -> None:
@@ -40,7 +60,7 @@ def main(trainer_class: type[Any] | None = None) -> None:
     # Registered even when the TOML does not name dion3_titan.job_config, so "dion3"/"muon"
     # with default hyperparameters and the offline dataset work from any config.
     plugin.register()
-    check_optimizer_config(sys.argv[1:])
+    check_config_or_exit(sys.argv[1:])
     _release_graphs_before_teardown()
     _initialize_router_bias()
     titan_main(trainer_class or Trainer)

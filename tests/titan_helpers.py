@@ -31,7 +31,7 @@ class TitanRun:
         return {int(k): v for k, v in self.records[0]["losses"].items()}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,7 +47,7 @@ def run_titan(
     """torchrun `nproc` ranks of this file with `--job.config_file config` and `overrides`."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+        "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
         "--local-ranks-filter", "0",
         str(Path(__file__).resolve()),
         "--job.config_file", str(config), "--job.dump_folder", str(dump_folder),
