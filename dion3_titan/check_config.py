@@ -7,7 +7,8 @@ the way torchtitan's trainer will and reports the first problem as one line, exi
 - a section or key that the job config does not have (`[optimizer] fractoin`),
 - a TOML value of the wrong type (`momentum = "high"`; torchtitan passes these through unchecked),
 - an override the command-line parser rejects (`--optimizer.fraction abc`),
-- a bad Dion3 / Periodic Row-wise Muon value (the optimizers' own validation, `dion3_options`).
+- a bad Dion3 / Periodic Row-wise Muon value (the optimizers' own validation, `dion3_options`),
+- a validation batch that pipeline parallelism cannot cut into its microbatches.
 
 `dion3_titan.train` runs the same check on every rank before torchtitan starts, so a direct
 `torchrun -m dion3_titan.train` stops with the same line; `scripts/train_debug.sh` runs this
@@ -50,6 +51,7 @@ def parse_job_config(args: list[str]) -> Any:
     if toml:
         check_toml(config_cls, toml)
     config = _parse_with_overrides(manager, args)
+    check_pipeline_validation(config)
     if config.optimizer.name in NAMES:
         try:
             dion3_options(config.optimizer)
@@ -148,6 +150,23 @@ def _describe(annotation: Any) -> str:
         return f"a list of {items[args[0]]}" if args and args[0] in items else "a list"
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a table"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def check_pipeline_validation(config: Any) -> None:
+    """With pipeline parallelism torchtitan validates through the training schedule, which cuts
+    every batch into its microbatches; a validation batch that does not divide into them stops
+    the job at the first validation, after `validation.freq` training steps."""
+    pp, val = config.parallelism, config.validation
+    if pp.pipeline_parallel_degree <= 1 or not val.enable:
+        return
+    microbatches = config.training.local_batch_size // pp.pipeline_parallel_microbatch_size
+    if microbatches and val.local_batch_size % microbatches:
+        raise ConfigError(
+            f"[validation] local_batch_size={val.local_batch_size}: with pipeline_parallel_degree="
+            f"{pp.pipeline_parallel_degree} it must be a multiple of the {microbatches} pipeline "
+            "microbatches (training.local_batch_size / pipeline_parallel_microbatch_size); "
+            f"set it to {microbatches}, or set [validation] enable = false"
+        )
 
 
 def _parse_with_overrides(manager: Any, args: list[str]) -> Any:

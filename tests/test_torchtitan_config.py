@@ -97,6 +97,10 @@ CHECKS = {
                        "Error parsing --optimizer.fraction: no type matching {None}|FLOAT could be instantiated from ['abc']."),
     "cli-unknown-key": ((), ("--optimizer.fractoin", "0.5"),
                         "Unrecognized options: --optimizer.fractoin, 0.5 (did you mean --optimizer.fraction?)"),
+    "pp-validation-batch": ((), ("--parallelism.pipeline_parallel_degree", "2"),
+                            "[validation] local_batch_size=2: with pipeline_parallel_degree=2 it must be a multiple "
+                            "of the 4 pipeline microbatches (training.local_batch_size / pipeline_parallel_microbatch_size); "
+                            "set it to 4, or set [validation] enable = false"),
     "not-toml": (("[job]", "[job"), (), None),  # message from tomllib, checked by prefix below
 }
 
