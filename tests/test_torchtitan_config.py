@@ -148,6 +148,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["bad-value", "unknown-key"])  # an override; the CONFIG file
 def test_train_debug_sh_ends_with_the_one_line(tmp_path: Path, case: str) -> None:
