@@ -9,10 +9,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup_env.sh
+
+CONFIG=${CONFIG:-configs/llama3_debug_dion3.toml}
+# A bad config stops here, as one line naming the key (exit code 2): after a worker's failure
+# torchrun would print its own failure report below the reason.
+.venv/bin/python -m dion3_titan.check_config --job.config_file "$CONFIG" "$@"
+
 .venv/bin/python -m dion3_titan.data.build --size small   # returns at once when already built
 
 NGPU=$(.venv/bin/python -c "import torch; print(torch.accelerator.device_count() if torch.accelerator.is_available() else 0)")
 NPROC=$(( NGPU > 0 ? NGPU : 2 ))
 # The console shows rank 0; every rank's full output is also kept under outputs/torchrun_logs/.
 exec .venv/bin/torchrun --nproc_per_node "$NPROC" --local-ranks-filter 0 --log-dir outputs/torchrun_logs --tee 3 \
-  -m dion3_titan.train --job.config_file "${CONFIG:-configs/llama3_debug_dion3.toml}" "$@"
+  -m dion3_titan.train --job.config_file "$CONFIG" "$@"

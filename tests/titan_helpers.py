@@ -27,11 +27,23 @@ class TitanRun:
     records: list[dict[str, Any]]  # one inspect record per rank (rank order)
 
     def losses(self) -> dict[int, float]:
-        """Exact per-step losses as logged by rank 0's metrics processor."""
-        return {int(k): v for k, v in self.records[0]["losses"].items()}
+        """Exact per-step losses as logged by the metrics processor of the first rank that
+        computes the loss (rank 0; with pipeline parallelism, the first last-stage rank: the
+        other stages log -1 summed over their data-parallel ranks)."""
+        return {int(k): v for k, v in self._loss_record()["losses"].items()}
+
+    def grad_norms(self) -> dict[int, float]:
+        """Exact per-step gradient norms (before clipping), as logged with the losses."""
+        return {int(k): v for k, v in self._loss_record()["grad_norms"].items()}
+
+    def _loss_record(self) -> dict[str, Any]:
+        for record in self.records:
+            if record["losses"] and min(record["losses"].values()) >= 0:
+                return record
+        raise AssertionError("no rank logged a loss")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,7 +59,7 @@ def run_titan(
     """torchrun `nproc` ranks of this file with `--job.config_file config` and `overrides`."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+        "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
         "--local-ranks-filter", "0",
         str(Path(__file__).resolve()),
         "--job.config_file", str(config), "--job.dump_folder", str(dump_folder),
@@ -94,13 +106,16 @@ def _inspecting_trainer() -> type:
                 "rank": torch.distributed.get_rank(),
                 "optimizers": self._describe_optimizers(),
                 "losses": {},
+                "grad_norms": {},
             }
             log = self.metrics_processor.log
 
-            def log_and_record(step: int, loss: float, *args: Any, **kwargs: Any) -> None:
+            def log_and_record(step: int, loss: float, max_loss: float, grad_norm: float,
+                               *args: Any, **kwargs: Any) -> None:
                 self._record["losses"][str(step)] = float(loss)
+                self._record["grad_norms"][str(step)] = float(grad_norm)
                 self._write()
-                log(step, loss, *args, **kwargs)
+                log(step, loss, max_loss, grad_norm, *args, **kwargs)
 
             self.metrics_processor.log = log_and_record
             self._write()
