@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,7 +45,7 @@ def spawn(world: int, fn, *args, backend: str = "gloo") -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world, _free_port(), fn, args, errors, backend), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, errors, backend), nprocs=world, join=True, start_method="spawn")
     except Exception as exc:
         detail = errors.get() if not errors.empty() else ""
         raise AssertionError(f"distributed run failed:\n{detail}") from exc

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.titan_helpers import CONFIGS, REPO, free_port, ensure_corpus, logged_losses
+from tests.spawn import free_port
+from tests.titan_helpers import CONFIGS, REPO, ensure_corpus, logged_losses
 
 LLAMA = CONFIGS / "llama3_debug_dion3.toml"
 

@@ -9,12 +9,13 @@ to `<dump_folder>/inspect/rank<r>.json`.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -41,12 +42,6 @@ class TitanRun:
             if record["losses"] and min(record["losses"].values()) >= 0:
                 return record
         raise AssertionError("no rank logged a loss")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_titan(

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.titan_helpers import CONFIGS, REPO, _free_port, ensure_corpus, logged_losses, run_titan
+from tests.spawn import free_port
+from tests.titan_helpers import CONFIGS, REPO, ensure_corpus, logged_losses, run_titan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -94,7 +95,7 @@ def test_torchtitan_train_entry_point_with_custom_config_module(tmp_path: Path) 
     config.write_text(text.replace(line, ""))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torch.cuda.device_count()),
-        "--master_port", str(_free_port()), "--local-ranks-filter", "0", "-m", "torchtitan.train",
+        "--master_port", str(free_port()), "--local-ranks-filter", "0", "-m", "torchtitan.train",
         "--job.config_file", str(config), "--job.custom_config_module", "dion3_titan.job_config",
         "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "6", "--validation.no-enable",
         "--lr_scheduler.warmup_steps", "2",

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.titan_helpers import REPO, TitanRun, _free_port, ensure_corpus, logged_losses  # noqa: F401
+from tests.spawn import free_port
+from tests.titan_helpers import REPO, TitanRun, ensure_corpus, logged_losses  # noqa: F401
 
 
 def run_titan03(config: str, dump_folder: Path, *overrides: str, nproc: int = 2, timeout: float = 600) -> TitanRun:
@@ -14,7 +15,7 @@ def run_titan03(config: str, dump_folder: Path, *overrides: str, nproc: int = 2,
     tests/titan03/inspect_recipes.py and command-line `overrides`."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), "--local-ranks-filter", "0",
+        "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "--local-ranks-filter", "0",
         "-m", "dion3_titan.train", "--module", "tests.titan03.inspect_recipes", "--config", config,
         "--dump_folder", str(dump_folder), *overrides,
     ]
