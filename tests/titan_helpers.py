@@ -52,25 +52,37 @@ def run_titan(
     timeout: float = 300,
 ) -> TitanRun:
     """torchrun `nproc` ranks of this file with `--job.config_file config` and `overrides`."""
+    target = [str(Path(__file__).resolve()), "--job.config_file", str(config), "--job.dump_folder", str(dump_folder)]
+    return torchrun_inspected([*target, *overrides], dump_folder, nproc, timeout)
+
+
+def torchrun_inspected(target: list[str], dump_folder: Path, nproc: int, timeout: float) -> TitanRun:
+    """torchrun `nproc` ranks of `target` (a script, or `-m module`, with its arguments) on gloo;
+    the ranks' records are read back from `dump_folder`/inspect."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-        "--local-ranks-filter", "0",
-        str(Path(__file__).resolve()),
-        "--job.config_file", str(config), "--job.dump_folder", str(dump_folder),
-        *overrides,
+        "--local-ranks-filter", "0", *target,
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks on a 2-core CI machine
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on a 2-core CI machine
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     records = []
     for r in range(nproc):
         path = dump_folder / "inspect" / f"rank{r}.json"
         if path.exists():
             records.append(json.loads(path.read_text()))
     return TitanRun(proc.returncode, proc.stdout + proc.stderr, records)
+
+
+def param_digest(model_parts) -> dict[str, float]:
+    """Sum of |p| of every parameter, as a full tensor (a collective on every rank)."""
+    digest = {}
+    for model in model_parts:
+        for name, p in model.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            digest[name] = float(full.detach().double().abs().sum())
+    return digest
 
 
 def ensure_corpus() -> Path:
@@ -152,13 +164,7 @@ def _inspecting_trainer() -> type:
 
         def train(self) -> None:
             super().train()
-            # Digest of the final parameters (full tensors: a collective on every rank).
-            digest = {}
-            for model in self.model_parts:
-                for name, p in model.named_parameters():
-                    full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                    digest[name] = float(full.detach().double().abs().sum())
-            self._record["param_digest"] = digest
+            self._record["param_digest"] = param_digest(self.model_parts)
             self._write()
 
         def _write(self) -> None:

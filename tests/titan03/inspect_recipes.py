@@ -14,6 +14,7 @@ from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.trainer import Trainer
 
 from dion3_titan.titan03 import recipes
+from tests.titan_helpers import param_digest
 
 
 class InspectingTrainer(Trainer):
@@ -60,12 +61,7 @@ class InspectingTrainer(Trainer):
 
     def train(self) -> None:
         super().train()
-        digest = {}
-        for model in self.model_parts:
-            for name, p in model.named_parameters():
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                digest[name] = float(full.detach().double().abs().sum())
-        self._record["param_digest"] = digest
+        self._record["param_digest"] = param_digest(self.model_parts)
         self._write()
 
     def _write(self) -> None:
