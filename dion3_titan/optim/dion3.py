@@ -17,6 +17,7 @@ from dion3_titan.dist.comm import CommStats, full_row_scores
 from dion3_titan.dist.layout import describe, row_state, to_local, zeros_like_param
 from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
+from dion3_titan.optim import engine
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.orthogonalize import (
     NSSettings,
@@ -54,6 +55,7 @@ class _GroupWork:
     backend: Backend
     tall: bool
     every_row: bool  # f = 1: rows are all of them, in order
+    fused: bool  # the row engine runs this group's passes (optim/engine.py)
 
 
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
@@ -282,16 +284,35 @@ class Dion3(torch.optim.Optimizer):
         if self._step_t is not None:
             self._step_t += 1
         self._seed_random_selection(groups)
-        self._accumulate(groups)
-        work = [self._orthogonalize_group(sg) for sg in groups]
+        scores = self._accumulate(groups)
+        work = [self._orthogonalize_group(sg, scores.get(id(sg))) for sg in groups]
         if work:
             self._check_results(work, sync_check)
         for w in work:
             self._update_group(w)
 
-    def _accumulate(self, groups: list[ShapeGroup]) -> None:
-        """1. M <- M + G, once per parameter (a split parameter has several members)."""
-        seen, moms, grads = set(), [], []
+    def _accumulate(self, groups: list[ShapeGroup]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """1. M <- M + G, once per parameter (a split parameter has several members). Groups
+        the row engine serves also get their rows' l1 norms and sums of squares (N, R) from
+        the same pass, returned by id(group)."""
+        scores: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        fused: dict[int, list] = {}
+        for sg in groups:
+            if not self._fused(sg):
+                continue
+            l1 = torch.empty(sg.batch, sg.local_rows, dtype=torch.float32, device=to_local(sg.members[0].param).device)
+            sq = torch.empty_like(l1)
+            scores[id(sg)] = (l1, sq)
+            for m in sg.members:
+                sl = slice(m.offset, m.offset + m.layout.batch)
+                fused.setdefault(id(m.param), []).append((m, l1[sl], sq[sl]))
+        if fused:
+            engine.accumulate(
+                fused,
+                lambda p: to_local(self.state[p]["momentum"]),
+                lambda p: None if p.grad is None else to_local(p.grad),
+            )
+        seen, moms, grads = set(fused), [], []
         for sg in groups:
             for m in sg.members:
                 if m.param.grad is not None and id(m.param) not in seen:
@@ -300,14 +321,25 @@ class Dion3(torch.optim.Optimizer):
                     grads.append(to_local(m.param.grad))
         if moms:
             torch._foreach_add_(moms, grads)
+        return scores
 
-    def _orthogonalize_group(self, sg: ShapeGroup) -> "_GroupWork":
-        """2-4: select this rank's rows, pack them, gather them to their owners, orthogonalize."""
+    def _fused(self, sg: ShapeGroup) -> bool:
+        """Whether the row engine runs this group's memory-bound passes."""
+        return engine.runs_on(self._configs[sg.group_index].backend, sg.members[0].param)
+
+    def _orthogonalize_group(
+        self, sg: ShapeGroup, scores: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> "_GroupWork":
+        """2-4: select this rank's rows, pack them, gather them to their owners, orthogonalize.
+        ``scores``: the row engine's (l1, sum of squares) per row, when it serves the group."""
         cfg = self._configs[sg.group_index]
         members = sg.members
         views = [m.view(to_local(self.state[m.param]["momentum"])) for m in members]
         every_row = self._every_row(sg, cfg)
-        rows, valid = (self._all_rows(sg, views[0].device), None) if every_row else self._select(sg, cfg, views)
+        if every_row:
+            rows, valid = self._all_rows(sg, views[0].device), None
+        else:
+            rows, valid = self._select(sg, cfg, views, None if scores is None else scores[0])
 
         sel, k, cols = sg.selected, sg.k, sg.cols
         rows_per = rows.split([m.layout.batch for m in members])
@@ -317,7 +349,9 @@ class Dion3(torch.optim.Optimizer):
             send_v = torch.nn.functional.pad(vs, (0, k - sel))
         ns = self._ns[sg.group_index]
         whole = every_row and not sg.exchange.moves_data and cols == sg.local_cols and k == sel
-        if whole and all(m.param.grad is not None for m in members):
+        if scores is not None:
+            owned, owned_v, normalized = self._pack_fused(sg, views, rows_per, valid, scores[1], send_v, every_row)
+        elif whole and all(m.param.grad is not None for m in members):
             # The whole momentum stays here: normalize it straight into the NS batch (one
             # pass over each matrix instead of a float32 copy, its norm, a division and a cast).
             owned, owned_v, normalized = normalize_batch(views, ns.eps, ns.dtype), send_v, True
@@ -337,7 +371,25 @@ class Dion3(torch.optim.Optimizer):
         real_rows = sg.global_k if cfg.selection_scope == "global" else sum(min(sg.k, r) for r in sg.block_rows)
         tall = real_rows > members[0].layout.global_cols
         ortho = orthogonalize(owned, ns, backend, tall, normalized)
-        return _GroupWork(sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row)
+        return _GroupWork(
+            sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row, scores is not None
+        )
+
+    def _pack_fused(self, sg, views, rows_per, valid, sq, send_v, every_row):
+        """The row engine's 2-3: selected rows straight into the NS batch, normalized and cast
+        (nothing moves), or into the zero-padded send buffer (the owner normalizes)."""
+        cfg, ns = self._configs[sg.group_index], self._ns[sg.group_index]
+        rows = None if every_row else list(rows_per)
+        valids = None if valid is None else list(valid.split([m.layout.batch for m in sg.members]))
+        active = [m.param.grad is not None for m in sg.members]
+        if not sg.exchange.moves_data and sg.cols == sg.local_cols and sg.k == sg.selected:
+            transposed = every_row and is_transposed_batch(views)
+            shape = (sg.batch, sg.k, sg.cols)
+            owned = engine.pack(views, rows, valids, active, shape, ns.dtype, sq, ns.eps, transposed)
+            return owned, send_v, True
+        send = engine.pack(views, rows, valids, active, (sg.batch, sg.k, sg.cols), views[0].dtype)
+        owned, owned_v = sg.exchange.gather(send, send_v)
+        return owned, owned_v, False
 
     def _check_results(self, work: list["_GroupWork"], sync_check: bool) -> None:
         """A non-finite NS result is never applied: eager steps recompute it (one host sync for
@@ -360,7 +412,14 @@ class Dion3(torch.optim.Optimizer):
         group = self.param_groups[sg.group_index]
         normuon = cfg.flavor == "normuon"
         ortho, owned_v = w.ortho, w.owned_v
-        if normuon:
+        # the row engine applies NorMuon inside the update when the rows never leave this rank
+        epilogue = w.fused and normuon and not sg.exchange.moves_data
+        den = scale = None
+        if epilogue:
+            den, scale, owned_v = engine.normuon_factors(
+                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, members[0].layout.global_cols
+            )
+        elif normuon:
             ortho, owned_v = normuon_normalize(
                 ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, members[0].layout.global_cols
             )
@@ -377,10 +436,17 @@ class Dion3(torch.optim.Optimizer):
             sl = slice(m.offset, m.offset + m.layout.batch)
             weight = m.view(to_local(m.param))
             ok = valid_per[i] if valid_per is not None else None
-            apply_update(
-                weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"], w.backend,
-                every_row=w.every_row,
-            )
+            if w.fused:
+                engine.update(
+                    weight, w.views[i], result[sl], None if w.every_row else w.rows_per[i], ok,
+                    lr * m.lr_scale, decay, group["momentum"],
+                    None if den is None else den[sl, :sel], None if scale is None else scale[sl],
+                )
+            else:
+                apply_update(
+                    weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"],
+                    w.backend, every_row=w.every_row,
+                )
             if normuon:
                 v_state = self._variance(m)
                 v_new = result_v[sl, :sel].float()
@@ -393,7 +459,10 @@ class Dion3(torch.optim.Optimizer):
                     stamp = torch.where(ok, stamp, self._last_selected[id(m)].gather(1, w.rows_per[i]))
                 self._last_selected[id(m)].scatter_(1, w.rows_per[i], stamp)
             if self.measure_updates:
-                self._add_update_sumsq(m.name, (lr * m.lr_scale) * result[sl].float(), m.layout)
+                applied = result[sl].float()
+                if den is not None:
+                    applied = applied / den[sl, :sel, None] * scale[sl, None, None]
+                self._add_update_sumsq(m.name, (lr * m.lr_scale) * applied, m.layout)
 
     # ----------------------------------------------------------------- observability
     def track_selection(self) -> None:
@@ -446,16 +515,16 @@ class Dion3(torch.optim.Optimizer):
         return self._device_consts[key]
 
     def _select(
-        self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor]
+        self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor], l1: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Row indices (N, selected) into each local (B, R, C) view, and for global scope a
-        mask of which are really selected."""
+        mask of which are really selected. ``l1``: the rows' l1 norms when already known."""
         device = views[0].device
         n_rb, r_max = len(sg.block_rows), max(sg.block_rows)
         if cfg.selection == "random":  # same draws on every rank: a global score table
             scores = torch.rand(sg.batch, n_rb, r_max, device=device, generator=self._rngs[sg.group_index])
         else:
-            local = torch.cat([l1_scores(v) for v in views])
+            local = l1 if l1 is not None else torch.cat([l1_scores(v) for v in views])
             if sg.col_blocks > 1 or (cfg.selection_scope == "global" and n_rb > 1):
                 local = torch.nn.functional.pad(local, (0, r_max - sg.local_rows))
                 scores = full_row_scores(sg.exchange, local, self.comm_stats)
