@@ -395,11 +395,16 @@ def anchor_configs(args: argparse.Namespace) -> list[BenchConfig]:
     fails (a note says so)."""
     if anchor_module()[0] is None:
         return []
+    import importlib.util
+
+    fast, ns = dict(ANCHOR_FAST), "Gram NS + kernels"
+    if importlib.util.find_spec("cutlass") is None:  # its Gram NS runs on quack's CuteDSL kernels
+        fast["use_gram_newton_schulz"], ns = False, "standard NS + Triton kernels (no CuteDSL here)"
     cls = ANCHOR_CLASS[args.flavor]
-    rows = [("dion_muon", "microsoft/dion Muon (Gram NS + kernels)", "Muon", dict(ANCHOR_FAST))]
+    rows = [("dion_muon", f"microsoft/dion Muon ({ns})", "Muon", dict(fast))]
     for tag, f in (("f1", 1.0), ("f1/2", 0.5), ("f1/4", 0.25)):
-        rows.append((f"dion_{tag}", f"microsoft/dion {cls} {tag.replace('f', 'f=')}", cls,
-                     {**ANCHOR_FAST, "fraction": f, "triton_post_ortho": True}))
+        rows.append((f"dion_{tag}", f"microsoft/dion {cls} {tag.replace('f', 'f=')} ({ns})", cls,
+                     {**fast, "fraction": f, "triton_post_ortho": True}))
     out = []
     for name, label, cls_name, kw in rows:
         options = {"class": cls_name, **kw}

@@ -218,7 +218,7 @@ def _of(results: list[dict], check: str) -> list[dict]:
 
 
 def test_accumulate_adds_bitwise_and_scores_rows(results) -> None:
-    bad = [r for r in _of(results, "accumulate") if not (r["bitwise"] and r["l1_err"] < 1e-6 and r["sq_err"] < 1e-6)]
+    bad = [r for r in _of(results, "accumulate") if not (r["bitwise"] and r["l1_err"] < 1e-5 and r["sq_err"] < 1e-5)]
     assert not bad, bad
 
 

@@ -25,12 +25,21 @@ import triton.language as tl
 from dion3_titan.kernels.triton_ops import _interpreting, _round_to
 
 
-def _tiles(*views: torch.Tensor) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_C): wide rows when every view's columns are contiguous, square tiles
-    when some view runs along rows (a transposed view), so loads stay coalesced."""
+# (BLOCK_R, BLOCK_C, num_warps) per kernel when every view's columns are contiguous (wide row
+# tiles), and for views that run along rows (transposed: square tiles keep loads coalesced).
+# scripts/bench_row_engine.py measures the candidates on a GPU.
+TILES: dict[str, tuple[int, int, int]] = {
+    "accumulate": (4, 512, 4),
+    "gather": (4, 512, 4),
+    "update": (4, 512, 4),
+    "transposed": (64, 64, 4),
+}
+
+
+def _tiles(kind: str, *views: torch.Tensor) -> tuple[int, int, int]:
     if all(v.stride(-1) == 1 or v.shape[-1] == 1 for v in views):
-        return 4, 512
-    return 64, 64
+        return TILES[kind]
+    return TILES["transposed"]
 
 
 @triton.jit
@@ -49,8 +58,9 @@ def _accumulate_scores_kernel(
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
-    l1 = tl.zeros([BLOCK_R], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # elementwise partial sums, reduced once after the loop (no cross-warp reduction per tile)
+    l1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for c0 in range(0, num_cols, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_ok[:, None] & (cols[None, :] < num_cols)
@@ -62,10 +72,10 @@ def _accumulate_scores_kernel(
             m = _round_to(m.to(tl.float32) + g.to(tl.float32), m_ptr.dtype.element_ty, INTERPRET)
             tl.store(m_ptrs, m, mask=mask)
         x = m.to(tl.float32)  # the stored value: what the reference scores
-        l1 += tl.sum(tl.abs(x), axis=1)
-        sq += tl.sum(x * x, axis=1)
-    tl.store(l1_ptr + batch * s_ob + rows64 * s_or, l1, mask=row_ok)
-    tl.store(sq_ptr + batch * s_ob + rows64 * s_or, sq, mask=row_ok)
+        l1 += tl.abs(x)
+        sq += x * x
+    tl.store(l1_ptr + batch * s_ob + rows64 * s_or, tl.sum(l1, axis=1), mask=row_ok)
+    tl.store(sq_ptr + batch * s_ob + rows64 * s_or, tl.sum(sq, axis=1), mask=row_ok)
 
 
 def accumulate_scores(
@@ -81,7 +91,7 @@ def accumulate_scores(
         raise ValueError(f"accumulate_scores: l1 and sq must both be ({B}, {R}) with equal strides")
     if B == 0 or R == 0:
         return
-    block_r, block_c = _tiles(m) if g is None else _tiles(m, g)
+    block_r, block_c, warps = _tiles("accumulate", m) if g is None else _tiles("accumulate", m, g)
     block_c = min(block_c, triton.next_power_of_2(max(C, 1)))
     g_arg, g_strides = (g, g.stride()) if g is not None else (m, (0, 0, 0))
     grid = (B, triton.cdiv(R, block_r))
@@ -93,7 +103,7 @@ def accumulate_scores(
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         INTERPRET=_interpreting(),
-        num_warps=4,
+        num_warps=warps,
         enable_fp_fusion=False,
     )
 
@@ -156,7 +166,7 @@ def gather_rows(
         rows = rows.contiguous()
     idx = rows if rows is not None else out  # never read when EVERY
     r_strides = rows.stride() if rows is not None else (0, 0)
-    block_r, block_c = _tiles(m, out)
+    block_r, block_c, warps = _tiles("gather", m, out)
     block_c = min(block_c, triton.next_power_of_2(C_out))
     grid = (B, triton.cdiv(K, block_r), triton.cdiv(C_out, block_c))
     _gather_rows_kernel[grid](
@@ -169,7 +179,7 @@ def gather_rows(
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         INTERPRET=_interpreting(),
-        num_warps=4,
+        num_warps=warps,
         enable_fp_fusion=False,
     )
 
@@ -277,7 +287,7 @@ def update_rows(
     if ok is not None and ok.dtype == torch.bool:
         ok = ok.view(torch.uint8)  # same byte, a dtype every Triton loads
     views = [weight] if momentum is None else [weight, momentum]
-    block_r, block_c = _tiles(*views)
+    block_r, block_c, warps = _tiles("update", *views)
     block_c = min(block_c, triton.next_power_of_2(C))
     m_arg, m_strides = (momentum, momentum.stride()) if momentum is not None else (weight, (0, 0, 0))
     grid = (B, triton.cdiv(R, block_r), triton.cdiv(C, block_c))
@@ -296,6 +306,6 @@ def update_rows(
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         INTERPRET=_interpreting(),
-        num_warps=4,
+        num_warps=warps,
         enable_fp_fusion=False,
     )

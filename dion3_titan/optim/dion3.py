@@ -578,18 +578,20 @@ class Dion3(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             st = self.state[p]
-            params.append(p)
-            grads.append(p.grad)
-            avgs.append(st["exp_avg"])
-            sqs.append(st["exp_avg_sq"])
+            # elementwise: the local shards are the whole computation (and torch's fused kernel
+            # takes them whatever the placements)
+            params.append(to_local(p))
+            grads.append(to_local(p.grad))
+            avgs.append(to_local(st["exp_avg"]))
+            sqs.append(to_local(st["exp_avg_sq"]))
             steps.append(st["step"])
         if not params:
             return
         beta1, beta2 = group["betas"]
-        on_gpu = to_local(params[0]).is_cuda
-        adamw(
+        on_gpu = params[0].is_cuda
+        adamw(  # on a GPU one fused pass per tensor; foreach elsewhere
             params, grads, avgs, sqs, [], steps,
-            foreach=True, capturable=on_gpu, amsgrad=False, beta1=beta1, beta2=beta2,
+            foreach=not on_gpu, fused=on_gpu or None, capturable=on_gpu, amsgrad=False, beta1=beta1, beta2=beta2,
             lr=self._hyper[gi][0] if on_gpu else group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )
