@@ -29,7 +29,8 @@ from dion3_titan.optim.prmuon import PRMuonConfig
 PLUGIN_FIELDS: list[tuple[str, Any, Any]] = [
     # AdamW learning rate of embeddings/output/norms/biases; unset = `lr` (the matrix lr).
     ("adamw_lr", float | None, field(default=None)),
-    # Capture the whole optimizer step in a CUDA graph after `cuda_graph_warmup` eager steps.
+    # Capture the whole optimizer step in a CUDA graph after `cuda_graph_warmup` eager steps
+    # (unset: wherever it works, see plugin.py; false: never).
     ("cuda_graph", bool | None, field(default=None)),
     ("cuda_graph_warmup", int | None, field(default=None)),
     # Log optimizer metrics (time, communication, update RMS, selection) at metrics.log_freq.

@@ -161,8 +161,16 @@ class Dion3OptimizersContainer(OptimizersContainer):
         _LIVE.add(self)
 
     def _step_runners(self, cfg: OptimizerConfig) -> list:
-        """What ``step`` calls per model part: the optimizer, or its captured step."""
-        if not getattr(cfg, "cuda_graph", None):
+        """What ``step`` calls per model part: the optimizer, or its captured step. ``cuda_graph``
+        unset: captured wherever that works (a Dion3-engine optimizer on CUDA parameters with a
+        selection the graph can replay), eager elsewhere, and one log line says which."""
+        requested = getattr(cfg, "cuda_graph", None)
+        if requested is None:
+            why = self._graph_blocker(cfg)
+            logger.info(f"[optimizer] cuda_graph {'off: ' + why if why else 'on'} (default; set cuda_graph to choose)")
+            if why:
+                return list(self.optimizers)
+        elif not requested:
             return list(self.optimizers)
         warmup = getattr(cfg, "cuda_graph_warmup", None) or 3
         if NAMES[cfg.name].cls is not Dion3:
@@ -173,6 +181,17 @@ class Dion3OptimizersContainer(OptimizersContainer):
         if not torch.cuda.is_available():
             raise ValueError("[optimizer] cuda_graph=true needs a CUDA GPU; set cuda_graph=false on this machine")
         return [GraphedOptimizer(o, warmup_steps=warmup) for o in self.optimizers]
+
+    def _graph_blocker(self, cfg: OptimizerConfig) -> str:
+        """Why the step cannot be captured by default ("" when it can)."""
+        if NAMES[cfg.name].cls is not Dion3:
+            return f"name={cfg.name!r} runs two kinds of steps"
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        if not params or not all(p.is_cuda for p in params):
+            return "parameters not on a CUDA device"
+        if any(g.get("selection") == "random" for o in self.optimizers for g in o.param_groups):
+            return "selection='random' reseeds every step"
+        return ""
 
     def step(self, *args, **kwargs) -> None:
         self._step += 1

@@ -612,6 +612,11 @@ def profile_step(runner: Runner, grads: GradFiller, name: str, top: int) -> None
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=top, max_name_column_width=70)
     log(f"profile of one {name} step (top {top} by device time):\n{table}")
+    if on_gpu:  # the same step by the torch ops that launched the kernels (eager steps only)
+        ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.device_time_total > 0]
+        ops.sort(key=lambda e: -e.device_time_total)
+        log("  device time by op (includes the kernels each launches): " + ", ".join(
+            f"{e.key} {e.device_time_total / 1e3:.2f} ms x{e.count}" for e in ops[:top]))
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:

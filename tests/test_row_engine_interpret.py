@@ -115,7 +115,7 @@ def _checks(seed: int) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         for B, R, C, k in [(3, 37, 300, 5), (1, 9, 40, 0), (2, 64, 64, 17)]:
             for layout in ("rowmajor", "transposed", "piece"):
-                for mode in ("plain", "valid", "every", "normuon", "skip"):
+                for mode in ("plain", "valid", "every", "normuon", "skip", "void"):
                     every = mode == "every"
                     kk = R if every else k
                     w = _views(dtype, B, R, C)[layout]
@@ -132,6 +132,11 @@ def _checks(seed: int) -> list[dict]:
                         applied = (upd.float() / den[..., None]) * scale[:, None, None]
                     if valid is not None:
                         applied = applied * valid.unsqueeze(-1)  # the reference's NS input was zero there
+                    void = None
+                    if mode == "void":  # a non-finite result: the reference zeroes it
+                        void = torch.arange(B) % 2 == 0
+                        upd = torch.where(void[:, None, None], float("nan"), upd)
+                        applied = torch.where(void[:, None, None], 0.0, upd.float())
                     w_ref, m_ref = w.clone(), mom.clone()
                     if mode != "skip":
                         _fused_update_reference(w_ref, applied, rows, lr, decay)
@@ -140,7 +145,7 @@ def _checks(seed: int) -> list[dict]:
                         m_ref.scatter_(1, idx, m_ref.gather(1, idx).mul_(factor))
                     ok = torch.tensor(mode != "skip")
                     engine.update(w, mom, upd, None if every else rows, valid, lr, decay, mu, den, scale,
-                                  ok if mode == "skip" else None)
+                                  ok if mode == "skip" else None, void)
                     out.append({
                         "check": "update", "case": f"{dtype},{B}x{R}x{C},k={kk},{layout},{mode}",
                         "bitwise": bool(torch.equal(w, w_ref) and torch.equal(mom, m_ref)),

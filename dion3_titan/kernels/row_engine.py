@@ -186,7 +186,7 @@ def gather_rows(
 
 @triton.jit
 def _update_rows_kernel(
-    w_ptr, m_ptr, u_ptr, slot_ptr, lr_ptr, decay_ptr, den_ptr, scale_ptr, ok_ptr,
+    w_ptr, m_ptr, u_ptr, slot_ptr, lr_ptr, decay_ptr, den_ptr, scale_ptr, ok_ptr, void_ptr,
     mu,
     num_rows, num_cols,
     s_wb, s_wr, s_wc,
@@ -197,6 +197,7 @@ def _update_rows_kernel(
     EVERY: tl.constexpr,
     NORMUON: tl.constexpr,
     HAS_OK: tl.constexpr,
+    HAS_VOID: tl.constexpr,
     DECAY_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -230,6 +231,9 @@ def _update_rows_kernel(
     if NORMUON:  # the reference's o_hat = (o / (sqrt(v) + eps)) * (||o|| / ||o_hat||)
         den = tl.load(den_ptr + batch * s_db + slot64 * s_dk, mask=selected, other=1.0)
         u = tl.div_rn(u, den[:, None]) * tl.load(scale_ptr + batch)  # IEEE division, as torch
+    if HAS_VOID:  # a matrix whose result was not finite gets a zero update (as if O were 0)
+        void_rows = tl.zeros([BLOCK_R], dtype=tl.int32) + tl.load(void_ptr + batch).to(tl.int32)
+        u = tl.where((void_rows != 0)[:, None], 0.0, u)
     # The reference's roundings, (w * decay) - (lr * u); the launch disables FMA contraction.
     decayed = w * decay
     new = tl.where(selected[:, None], decayed - lr * u, decayed)
@@ -264,13 +268,15 @@ def update_rows(
     row_denominator: torch.Tensor | None = None,
     matrix_scale: torch.Tensor | None = None,
     ok: torch.Tensor | None = None,
+    void: torch.Tensor | None = None,
 ) -> None:
     """In place on weight and momentum (B, R, C) views: every weight row times ``decay``; the
     selected rows (``slot`` from ``row_slots``; None: every row, update row r for weight row r)
     minus ``lr * U``, one rounding; their momentum rows times ``mu`` (skipped when momentum is
     None). U = update (B, k, C+) in float32, or with ``row_denominator`` (B, k) and
     ``matrix_scale`` (B,) the NorMuon form (update / denominator) * scale. ``lr``, ``decay``
-    and ``ok`` (nonzero: apply) are 0-dim device tensors, read live under graph replay."""
+    and ``ok`` (nonzero: apply) are 0-dim device tensors, read live under graph replay.
+    ``void`` (B,) bool: matrices whose U counts as zero (decay and error feedback still run)."""
     B, R, C = weight.shape
     if momentum is not None and momentum.shape != weight.shape:
         raise ValueError(f"update_rows: momentum {tuple(momentum.shape)} != weight {tuple(weight.shape)}")
@@ -286,6 +292,10 @@ def update_rows(
         return
     if ok is not None and ok.dtype == torch.bool:
         ok = ok.view(torch.uint8)  # same byte, a dtype every Triton loads
+    if void is not None:
+        if void.shape != (B,):
+            raise ValueError(f"update_rows: void must be ({B},), got {tuple(void.shape)}")
+        void = void.contiguous().view(torch.uint8) if void.dtype == torch.bool else void.contiguous()
     views = [weight] if momentum is None else [weight, momentum]
     block_r, block_c, warps = _tiles("update", *views)
     block_c = min(block_c, triton.next_power_of_2(C))
@@ -294,6 +304,7 @@ def update_rows(
     _update_rows_kernel[grid](
         weight, m_arg, update, slot if slot is not None else lr, lr, decay,
         row_denominator if normuon else lr, matrix_scale if normuon else lr, ok if ok is not None else lr,
+        void if void is not None else lr,
         float(mu),
         R, C,
         *weight.stride(), *m_strides, *update.stride(),
@@ -302,6 +313,7 @@ def update_rows(
         EVERY=slot is None,
         NORMUON=normuon,
         HAS_OK=ok is not None,
+        HAS_VOID=void is not None,
         DECAY_M=momentum is not None,
         BLOCK_R=block_r,
         BLOCK_C=block_c,

@@ -56,6 +56,7 @@ class _GroupWork:
     tall: bool
     every_row: bool  # f = 1: rows are all of them, in order
     fused: bool  # the row engine runs this group's passes (optim/engine.py)
+    void: torch.Tensor | None = None  # (N,) matrices whose NS result is taken as zero
 
 
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
@@ -399,7 +400,10 @@ class Dion3(torch.optim.Optimizer):
             self._ns_bad(b)
         if not sync_check:
             for w, b in zip(work, bads):
-                w.ortho = torch.where(b[:, None, None], torch.zeros_like(w.ortho), w.ortho)
+                if w.fused and not w.sg.exchange.moves_data:
+                    w.void = b  # the update kernel zeroes them (no pass over the batch)
+                else:
+                    w.ortho = torch.where(b[:, None, None], torch.zeros_like(w.ortho), w.ortho)
             return
         flags = torch.stack([b.any() for b in bads]).tolist()
         for w, b, flag in zip(work, bads, flags):
@@ -417,7 +421,7 @@ class Dion3(torch.optim.Optimizer):
         den = scale = None
         if epilogue:
             den, scale, owned_v = engine.normuon_factors(
-                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, members[0].layout.global_cols
+                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, members[0].layout.global_cols, w.void
             )
         elif normuon:
             ortho, owned_v = normuon_normalize(
@@ -441,6 +445,7 @@ class Dion3(torch.optim.Optimizer):
                     weight, w.views[i], result[sl], None if w.every_row else w.rows_per[i], ok,
                     lr * m.lr_scale, decay, group["momentum"],
                     None if den is None else den[sl, :sel], None if scale is None else scale[sl],
+                    void=None if w.void is None else w.void[sl],
                 )
             else:
                 apply_update(
@@ -462,6 +467,8 @@ class Dion3(torch.optim.Optimizer):
                 applied = result[sl].float()
                 if den is not None:
                     applied = applied / den[sl, :sel, None] * scale[sl, None, None]
+                if w.void is not None:
+                    applied = torch.where(w.void[sl, None, None], 0.0, applied)
                 self._add_update_sumsq(m.name, (lr * m.lr_scale) * applied, m.layout)
 
     # ----------------------------------------------------------------- observability

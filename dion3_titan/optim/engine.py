@@ -99,12 +99,14 @@ def row_sumsq(x: torch.Tensor) -> torch.Tensor:
 
 
 def normuon_factors(
-    o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, cols: int
+    o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, cols: int, void: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NorMuon (update.normuon_normalize) as factors for the update kernel's epilogue: returns
     (row denominators sqrt(v_new) + eps (N, K), matrix scales ||o|| / ||o_hat|| (N,), v_new),
-    from one pass over o for its rows' sums of squares."""
+    from one pass over o for its rows' sums of squares. ``void`` (N,): matrices taken as zero."""
     rowsq = row_sumsq(o)
+    if void is not None:
+        rowsq = torch.where(void[:, None], 0.0, rowsq)
     v_new = v.float() * beta2 + (1.0 - beta2) * rowsq / cols
     den = v_new.sqrt() + eps
     norm_o = rowsq.sum(dim=1).sqrt()
@@ -125,8 +127,9 @@ def update(
     den: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     ok: torch.Tensor | None = None,
+    void: torch.Tensor | None = None,
 ) -> None:
     """update.apply_update (+ the NorMuon epilogue when ``den``/``scale`` are given) in one pass:
     ``rows`` None means every row in order (f = 1)."""
     slot = None if rows is None and valid is None else rk.row_slots(rows, weight.shape[1], valid)
-    rk.update_rows(weight, momentum, result, slot, lr, decay, mu, den, scale, ok)
+    rk.update_rows(weight, momentum, result, slot, lr, decay, mu, den, scale, ok, void)
