@@ -25,9 +25,9 @@ from dion3_titan.kernels.torch_ops import _fused_update_reference  # noqa: E402
 from dion3_titan.optim.update import l1_scores, top_rows  # noqa: E402
 
 CANDIDATES = {  # (BLOCK_R, BLOCK_C, num_warps)
-    "accumulate": [(4, 512, 4), (8, 512, 8), (8, 1024, 8), (16, 512, 8), (2, 1024, 4), (1, 2048, 8), (16, 256, 4)],
-    "gather": [(4, 512, 4), (8, 512, 8), (16, 256, 4), (8, 256, 4), (2, 1024, 4)],
-    "update": [(4, 512, 4), (8, 512, 8), (8, 1024, 8), (16, 256, 4), (2, 1024, 4), (32, 128, 4), (1, 2048, 8)],
+    "accumulate": [(1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (1, 1024, 4)],
+    "gather": [(2, 1024, 4), (1, 2048, 8), (4, 512, 4)],
+    "update": [(2, 1024, 4), (1, 2048, 8), (1, 1024, 4), (4, 512, 4), (1, 4096, 8)],
 }
 MODELS = {"7b": (4096, 1024, 11008), "1b": (1536, 768, 6656)}  # hidden, kv dim, mlp hidden
 
@@ -62,10 +62,19 @@ def graph_ms(fn, reps: int) -> float:
 
 
 def copy_gbps() -> float:
+    """Device-to-device copy of 1 GiB (bytes read + written per second), eager, events."""
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), 10)
-    return 2 * src.numel() * 4 / ms / 1e6
+    times = []
+    for i in range(13):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b))
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,23 +97,26 @@ def main(argv: list[str] | None = None) -> None:
     rows = [top_rows(torch.rand(1, r, device=dev), k) for (r, _), k in zip(mats, ks)]
     O = [torch.randn(1, k, c, device=dev).half() for (_, c), k in zip(mats, ks)]
     slots = [rk.row_slots(rw, r) for rw, (r, _) in zip(rows, mats)]
+    dens = [torch.rand(1, k, device=dev) + 0.5 for k in ks]  # NorMuon's epilogue factors
+    scales = [torch.rand(1, device=dev) + 0.5 for _ in ks]
     lr, decay = torch.tensor(1e-4, device=dev), torch.tensor(0.9999, device=dev)
     numel = sum(r * c for r, c in mats)
     sel = sum(k * c for k, (_, c) in zip(ks, mats))
     nbytes = {  # the fewest bytes each pass moves
         "accumulate": 12 * numel + 8 * sum(r for r, _ in mats),  # read M, G; write M; the row sums
         "gather": 4 * sel + 2 * sel,  # read the selected rows; write them in fp16
-        "update": 8 * numel + 2 * sel + 8 * sel,  # read + write W; read O; read + write M's rows
+        "update": 8 * numel + 2 * sel + 8 * sel,  # read + write W; read O; read + write M's rows (NorMuon)
     }
     passes = {
         "accumulate": lambda: [rk.accumulate_scores(m, g, a, b) for m, g, a, b in zip(M, G, L1, SQ)],
         "gather": lambda: [rk.gather_rows(m, r, o) for m, r, o in zip(M, rows, O)],
-        "update": lambda: [rk.update_rows(w, m, o, s, lr, decay, 0.95) for w, m, o, s in zip(W, M, O, slots)],
+        "update": lambda: [rk.update_rows(w, m, o, s, lr, decay, 0.95, d, c)
+                           for w, m, o, s, d, c in zip(W, M, O, slots, dens, scales)],
     }
 
     def torch_update():
-        for w, m, o, r in zip(W, M, O, rows):
-            _fused_update_reference(w, o, r, lr, decay)
+        for w, m, o, r, d, c in zip(W, M, O, rows, dens, scales):
+            _fused_update_reference(w, (o.float() / d[..., None]) * c[:, None, None], r, lr, decay)
             idx = r.unsqueeze(-1).expand(-1, -1, m.shape[-1])
             m.scatter_(1, idx, m.gather(1, idx).mul_(0.95))
 

@@ -29,9 +29,9 @@ from dion3_titan.kernels.triton_ops import _interpreting, _round_to
 # tiles), and for views that run along rows (transposed: square tiles keep loads coalesced).
 # scripts/bench_row_engine.py measures the candidates on a GPU.
 TILES: dict[str, tuple[int, int, int]] = {
-    "accumulate": (4, 512, 4),
-    "gather": (4, 512, 4),
-    "update": (4, 512, 4),
+    "accumulate": (1, 2048, 8),
+    "gather": (2, 1024, 4),
+    "update": (2, 1024, 4),
     "transposed": (64, 64, 4),
 }
 
@@ -226,22 +226,24 @@ def _update_rows_kernel(
 
     w_ptrs = w_ptr + batch * s_wb + rows[:, None].to(tl.int64) * s_wr + cols64 * s_wc
     w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + batch * s_ub + slot64[:, None] * s_uk + cols64 * s_uc, mask=sel_mask, other=0.0)
-    u = u.to(tl.float32)
-    if NORMUON:  # the reference's o_hat = (o / (sqrt(v) + eps)) * (||o|| / ||o_hat||)
-        den = tl.load(den_ptr + batch * s_db + slot64 * s_dk, mask=selected, other=1.0)
-        u = tl.div_rn(u, den[:, None]) * tl.load(scale_ptr + batch)  # IEEE division, as torch
-    if HAS_VOID:  # a matrix whose result was not finite gets a zero update (as if O were 0)
-        void_rows = tl.zeros([BLOCK_R], dtype=tl.int32) + tl.load(void_ptr + batch).to(tl.int32)
-        u = tl.where((void_rows != 0)[:, None], 0.0, u)
     # The reference's roundings, (w * decay) - (lr * u); the launch disables FMA contraction.
-    decayed = w * decay
-    new = tl.where(selected[:, None], decayed - lr * u, decayed)
+    new = w * decay
+    # Most tiles hold no selected row (f < 1): they only decay, with no update arithmetic.
+    if tl.max(selected.to(tl.int32), axis=0) > 0:
+        u = tl.load(u_ptr + batch * s_ub + slot64[:, None] * s_uk + cols64 * s_uc, mask=sel_mask, other=0.0)
+        u = u.to(tl.float32)
+        if NORMUON:  # the reference's o_hat = (o / (sqrt(v) + eps)) * (||o|| / ||o_hat||)
+            den = tl.load(den_ptr + batch * s_db + slot64 * s_dk, mask=selected, other=1.0)
+            u = tl.div_rn(u, den[:, None]) * tl.load(scale_ptr + batch)  # IEEE division, as torch
+        if HAS_VOID:  # a matrix whose result was not finite gets a zero update (as if O were 0)
+            void_rows = tl.zeros([BLOCK_R], dtype=tl.int32) + tl.load(void_ptr + batch).to(tl.int32)
+            u = tl.where((void_rows != 0)[:, None], 0.0, u)
+        new = tl.where(selected[:, None], new - lr * u, new)
+        if DECAY_M:  # error feedback: only the selected momentum rows decay
+            m_ptrs = m_ptr + batch * s_mb + rows[:, None].to(tl.int64) * s_mr + cols64 * s_mc
+            m = tl.load(m_ptrs, mask=sel_mask, other=0.0).to(tl.float32)
+            tl.store(m_ptrs, _round_to(m * mu, m_ptr.dtype.element_ty, INTERPRET), mask=sel_mask)
     tl.store(w_ptrs, _round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
-    if DECAY_M:  # error feedback: only the selected momentum rows decay
-        m_ptrs = m_ptr + batch * s_mb + rows[:, None].to(tl.int64) * s_mr + cols64 * s_mc
-        m = tl.load(m_ptrs, mask=sel_mask, other=0.0).to(tl.float32)
-        tl.store(m_ptrs, _round_to(m * mu, m_ptr.dtype.element_ty, INTERPRET), mask=sel_mask)
 
 
 def row_slots(rows: torch.Tensor, num_rows: int, keep: torch.Tensor | None = None) -> torch.Tensor:
