@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--kinds", default="accumulate,gather,update", help="passes to time, comma-separated")
     p.add_argument("--out", default=None, help="JSON file")
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {"device": torch.cuda.get_device_name(), "copy_gbps": bw, "model": args.model, "layers": args.layers,
               "fraction": args.fraction, "results": [], "best": {}}
     for kind, fn in passes.items():
+        if kind not in args.kinds.split(","):
+            continue
         floor = nbytes[kind] / bw / 1e6
         t_ms = graph_ms(torch_passes[kind], args.reps)
         print(f"{kind:<10} floor {floor:6.2f} ms | torch path {t_ms:6.2f} ms")
