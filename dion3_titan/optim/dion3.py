@@ -14,11 +14,12 @@ import torch.distributed as dist
 from torch.optim.adamw import adamw
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
-from dion3_titan.dist.layout import describe, row_state, to_local, zeros_like_param
+from dion3_titan.dist.layout import describe, to_local, zeros_like_param
 from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim import engine
 from dion3_titan.optim.config import Dion3Config
+from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.orthogonalize import (
     NSSettings,
     is_transposed_batch,
@@ -31,7 +32,6 @@ from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.update import (
     apply_update,
     l1_scores,
-    normuon_normalize,
     take_rows,
     top_rows,
     top_rows_global,
@@ -159,8 +159,7 @@ class Dion3(torch.optim.Optimizer):
                 st = self.state[m.param]
                 if "momentum" not in st:  # one per parameter, shared by its pieces
                     st["momentum"] = zeros_like_param(m.param)
-                if cfg.flavor == "normuon":
-                    st[m.variance_key] = row_state(m.param, m.layout)
+                FLAVORS[cfg.flavor].create_state(st, m)
         for group, cfg in zip(self.param_groups, self._configs):
             if cfg is not None:
                 continue
@@ -345,8 +344,9 @@ class Dion3(torch.optim.Optimizer):
         sel, k, cols = sg.selected, sg.k, sg.cols
         rows_per = rows.split([m.layout.batch for m in members])
         send_v = None
-        if cfg.flavor == "normuon":
-            vs = torch.cat([self._variance(m) for m in members]).gather(1, rows)
+        flavor = FLAVORS[cfg.flavor]
+        if flavor.row_data:  # the flavor's per-row state travels with the rows
+            vs = torch.cat([flavor.rows_state(self.state[m.param], m) for m in members]).gather(1, rows)
             send_v = torch.nn.functional.pad(vs, (0, k - sel))
         ns = self._ns[sg.group_index]
         whole = every_row and not sg.exchange.moves_data and cols == sg.local_cols and k == sel
@@ -379,7 +379,7 @@ class Dion3(torch.optim.Optimizer):
     def _pack_fused(self, sg, views, rows_per, valid, sq, send_v, every_row):
         """The row engine's 2-3: selected rows straight into the NS batch, normalized and cast
         (nothing moves), or into the zero-padded send buffer (the owner normalizes)."""
-        cfg, ns = self._configs[sg.group_index], self._ns[sg.group_index]
+        ns = self._ns[sg.group_index]
         rows = None if every_row else list(rows_per)
         valids = None if valid is None else list(valid.split([m.layout.batch for m in sg.members]))
         active = [m.param.grad is not None for m in sg.members]
@@ -411,22 +411,18 @@ class Dion3(torch.optim.Optimizer):
                 w.ortho = repair_nonfinite(w.owned, w.ortho, b, self._ns[w.sg.group_index], w.backend, w.tall)
 
     def _update_group(self, w: "_GroupWork") -> None:
-        """5-6: NorMuon on the owner, scatter back, then the fused update with error feedback."""
+        """5-6: the flavor's normalization on the owner, scatter back, then the fused update with
+        error feedback."""
         sg, cfg, members = w.sg, w.cfg, w.sg.members
         group = self.param_groups[sg.group_index]
-        normuon = cfg.flavor == "normuon"
+        flavor = FLAVORS[cfg.flavor]
         ortho, owned_v = w.ortho, w.owned_v
-        # the row engine applies NorMuon inside the update when the rows never leave this rank
-        epilogue = w.fused and normuon and not sg.exchange.moves_data
-        den = scale = None
-        if epilogue:
-            den, scale, owned_v = engine.normuon_factors(
-                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, members[0].layout.global_cols, w.void
-            )
-        elif normuon:
-            ortho, owned_v = normuon_normalize(
-                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, members[0].layout.global_cols
-            )
+        cols = members[0].layout.global_cols
+        if w.fused and not sg.exchange.moves_data:  # the update kernel applies it (epilogue)
+            den, scale, owned_v = flavor.epilogue(ortho, owned_v, cfg, cols, w.void)
+        else:
+            den = scale = None
+            ortho, owned_v = flavor.normalize(ortho, owned_v, cfg, cols)
         result, result_v = sg.exchange.scatter(ortho, owned_v)
         sel = sg.selected
         result = result[:, :sel, : sg.local_cols]
@@ -452,8 +448,8 @@ class Dion3(torch.optim.Optimizer):
                     weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, group["momentum"],
                     w.backend, every_row=w.every_row,
                 )
-            if normuon:
-                v_state = self._variance(m)
+            if flavor.row_data:
+                v_state = flavor.rows_state(self.state[m.param], m)
                 v_new = result_v[sl, :sel].float()
                 if ok is not None:
                     v_new = torch.where(ok, v_new, v_state.gather(1, w.rows_per[i]))
@@ -502,10 +498,6 @@ class Dion3(torch.optim.Optimizer):
         self.update_sumsq[cls] = self.update_sumsq.get(cls, 0) + value
         # every row decays, only the selected ones move: RMS over the whole matrix
         self.update_numel[cls] = self.update_numel.get(cls, 0) + layout.batch * layout.local_rows * layout.local_cols
-
-    def _variance(self, m) -> torch.Tensor:
-        """(B, R) local view of a member's NorMuon second moment."""
-        return to_local(self.state[m.param][m.variance_key]).view(m.layout.batch, m.layout.local_rows)
 
     @staticmethod
     def _every_row(sg: ShapeGroup, cfg: Dion3Config) -> bool:
