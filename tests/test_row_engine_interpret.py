@@ -259,3 +259,32 @@ if __name__ == "__main__":
     seed = int.from_bytes(os.urandom(4), "little")
     for result in _run_checks(seed):
         print(json.dumps({**result, "seed": seed}))
+
+
+# ---------------------------------------------------------------- FSDP2 ranks (gloo, interpreter)
+def _fsdp_worker(rank, world, configs, out_path):
+    import torch
+
+    from dion3_titan.optim import engine
+    from tests.test_dist_fsdp import _run
+
+    assert engine.runs_on("triton", torch.zeros(1)), "the ranks must run the engine (TRITON_INTERPRET=1)"
+    results = [_run(world, *c) for c in configs]
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_engine_under_fsdp_matches_the_textbook_update(tmp_path, monkeypatch) -> None:
+    """Two gloo ranks with FSDP2 (sharded rows move through the exchange; uneven shards, empty
+    ranks, a 3D stack), the engine on: the same textbook references as tests/test_dist_fsdp.py."""
+    import torch
+
+    from tests.spawn import spawn
+    from tests.test_dist_fsdp import CONFIGS, SHAPES
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import Triton with it
+    out = tmp_path / "r.pt"
+    spawn(2, _fsdp_worker, [(*c, 1, 3, SHAPES, "cpu", "triton") for c in CONFIGS], str(out))
+    for config, r in zip(CONFIGS, torch.load(out)):
+        for name, got, want in zip(SHAPES, r["final"], r["ref"]):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (config, name, (got - want).abs().max())
