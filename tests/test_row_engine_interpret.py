@@ -144,8 +144,8 @@ def _checks(seed: int) -> list[dict]:
                         idx = rows.unsqueeze(-1).expand(-1, -1, C)
                         m_ref.scatter_(1, idx, m_ref.gather(1, idx).mul_(factor))
                     ok = torch.tensor(mode != "skip")
-                    engine.update(w, mom, upd, None if every else rows, valid, lr, decay, mu, den, scale,
-                                  ok if mode == "skip" else None, void)
+                    slot = None if every else engine.slots(rows, valid, R)
+                    engine.update(w, mom, upd, slot, lr, decay, mu, den, scale, ok if mode == "skip" else None, void)
                     out.append({
                         "check": "update", "case": f"{dtype},{B}x{R}x{C},k={kk},{layout},{mode}",
                         "bitwise": bool(torch.equal(w, w_ref) and torch.equal(mom, m_ref)),

@@ -430,6 +430,9 @@ class Dion3(torch.optim.Optimizer):
         lr, wd = self._hyper[sg.group_index].unbind()
         decay = 1.0 - lr * wd
         valid_per = w.valid.split([m.layout.batch for m in members]) if w.valid is not None else None
+        slot = None  # the engine's row -> update-row map, one for the whole group
+        if w.fused and not w.every_row:
+            slot = engine.slots(torch.cat(w.rows_per), w.valid, sg.local_rows)
         for i, m in enumerate(members):
             if m.param.grad is None:
                 continue
@@ -438,7 +441,7 @@ class Dion3(torch.optim.Optimizer):
             ok = valid_per[i] if valid_per is not None else None
             if w.fused:
                 engine.update(
-                    weight, w.views[i], result[sl], None if w.every_row else w.rows_per[i], ok,
+                    weight, w.views[i], result[sl], None if slot is None else slot[sl],
                     lr * m.lr_scale, decay, group["momentum"],
                     None if den is None else den[sl, :sel], None if scale is None else scale[sl],
                     void=None if w.void is None else w.void[sl],

@@ -115,12 +115,17 @@ def normuon_factors(
     return den, scale, v_new
 
 
+def slots(rows: torch.Tensor, valid: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """(N, num_rows) int32 map of a group's selection for ``update``: each row's position in
+    ``rows`` (N, k), -1 where it is not selected or its ``valid`` entry is False."""
+    return rk.row_slots(rows, num_rows, valid)
+
+
 def update(
     weight: torch.Tensor,
     momentum: torch.Tensor,
     result: torch.Tensor,
-    rows: torch.Tensor | None,
-    valid: torch.Tensor | None,
+    slot: torch.Tensor | None,
     lr: torch.Tensor,
     decay: torch.Tensor,
     mu: float,
@@ -129,7 +134,6 @@ def update(
     ok: torch.Tensor | None = None,
     void: torch.Tensor | None = None,
 ) -> None:
-    """update.apply_update (+ the NorMuon epilogue when ``den``/``scale`` are given) in one pass:
-    ``rows`` None means every row in order (f = 1)."""
-    slot = None if rows is None and valid is None else rk.row_slots(rows, weight.shape[1], valid)
+    """update.apply_update (+ the flavor's epilogue when ``den``/``scale`` are given) in one
+    pass; ``slot`` from ``slots`` (None: every row, in order, f = 1)."""
     rk.update_rows(weight, momentum, result, slot, lr, decay, mu, den, scale, ok, void)
