@@ -40,7 +40,8 @@ PLUGIN_FIELDS: list[tuple[str, Any, Any]] = [
     ("adamw_lr", float | None, field(default=None)),
     # AdamW weight decay of those parameters; unset = 0.0 (weight_decay is the matrices').
     ("adamw_weight_decay", float | None, field(default=None)),
-    # Capture the whole optimizer step in a CUDA graph after `cuda_graph_warmup` eager steps.
+    # Capture the whole optimizer step in a CUDA graph after `cuda_graph_warmup` eager steps
+    # (unset: wherever it works, see plugin.py; false: never).
     ("cuda_graph", bool | None, field(default=None)),
     ("cuda_graph_warmup", int | None, field(default=None)),
     # Log optimizer metrics (time, communication, update RMS, selection) at metrics.log_freq.

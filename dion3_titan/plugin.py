@@ -137,14 +137,22 @@ class Dion3OptimizersContainer(OptimizersContainer):
         _LIVE.add(self)
 
     def _step_runners(self, cfg: OptimizerConfig) -> list:
-        """What ``step`` calls per model part: the optimizer, or its captured step."""
+        """What ``step`` calls per model part: the optimizer, or its captured step. ``cuda_graph``
+        unset: captured wherever that works (a Dion3-engine optimizer on CUDA parameters with a
+        selection the graph can replay), eager elsewhere, and one log line says which."""
         warmup = getattr(cfg, "cuda_graph_warmup", None)
         if warmup is not None:  # checked even with cuda_graph off: a bad value is never ignored
             try:
                 check_warmup(warmup)
             except ValueError as e:
                 raise ValueError(f"[optimizer] {e}") from e
-        if not getattr(cfg, "cuda_graph", None):
+        requested = getattr(cfg, "cuda_graph", None)
+        if requested is None:
+            why = self._graph_blocker(cfg)
+            logger.info(f"[optimizer] cuda_graph {'off: ' + why if why else 'on'} (default; set cuda_graph to choose)")
+            if why:
+                return list(self.optimizers)
+        elif not requested:
             return list(self.optimizers)
         graph_options = {} if warmup is None else {"warmup_steps": warmup}
         if NAMES[cfg.name].cls is not Dion3:
@@ -155,6 +163,17 @@ class Dion3OptimizersContainer(OptimizersContainer):
         if not torch.cuda.is_available():
             raise ValueError("[optimizer] cuda_graph=true needs a CUDA GPU; set cuda_graph=false on this machine")
         return [GraphedOptimizer(o, **graph_options) for o in self.optimizers]
+
+    def _graph_blocker(self, cfg: OptimizerConfig) -> str:
+        """Why the step cannot be captured by default ("" when it can)."""
+        if NAMES[cfg.name].cls is not Dion3:
+            return f"name={cfg.name!r} runs two kinds of steps"
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        if not params or not all(p.is_cuda for p in params):
+            return "parameters not on a CUDA device"
+        if any(g.get("selection") == "random" for o in self.optimizers for g in o.param_groups):
+            return "selection='random' reseeds every step"
+        return ""
 
     def step(self, *args, **kwargs) -> None:
         self._step += 1

@@ -22,6 +22,11 @@ Per configuration (all in one run):
     torchrun --nproc_per_node 2 scripts/bench_step.py --model 1b --budget-s 180  # 2 GPUs, ~1.5 min
     python scripts/bench_step.py --tiny                                          # CPU smoke test
 
+When ``import dion`` works (microsoft/dion, the paper authors' code, on PYTHONPATH) the same run
+adds its rows: ``dion.Muon`` with Gram NS + kernels and its Dion3-family optimizer of the
+benchmarked flavor (``Dion3`` for NorMuon, ``Dion2`` for Muon) at f = 1, 1/2, 1/4, eager and
+under its ``CudaGraphOptimizer``; the xDion column divides our row by its counterpart.
+
 Execution order puts the eager stack first, then the graph rows, then torch.optim.Muon and
 megabatching off; ``--budget-s`` skips (and reports) any configuration predicted to end past it.
 
@@ -338,8 +343,8 @@ def plain_muon_flops(params: list[torch.Tensor], steps: int = 5) -> float:
 class BenchConfig:
     name: str
     label: str
-    kind: str  # "adamw" | "torch_muon" | "dion3"
-    options: dict = field(default_factory=dict)  # Dion3 keyword arguments
+    kind: str  # "adamw" | "torch_muon" | "dion3" | "anchor" (microsoft/dion)
+    options: dict = field(default_factory=dict)  # Dion3 (or the anchor class's) keyword arguments
     graph: bool = False
 
 
@@ -371,10 +376,64 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
         if name == "dion3_f1_torch":
             configs.append(BenchConfig("dion3_f1_torch_nomb", "Dion3 f=1 torch, megabatch off (Table 1)", "dion3",
                                        {**f1_torch, "megabatch": False}))
+    configs += anchor_configs(args)
     if args.only:
         patterns = args.only.split(",")
         configs = [c for c in configs if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
     return configs
+
+
+# microsoft/dion (the paper authors' code), timed beside ours when ``import dion`` works.
+# Its Dion3 is the NorMuon flavor (NorDion2); Dion2 is the same algorithm in the Muon flavor.
+ANCHOR_CLASS = {"normuon": "Dion3", "muon": "Dion2"}
+ANCHOR_FAST = {"use_gram_newton_schulz": True, "use_triton": True}
+
+
+def anchor_configs(args: argparse.Namespace) -> list[BenchConfig]:
+    """dion.Muon (Gram NS + kernels) and dion's Dion3-family optimizer of this flavor at f = 1,
+    1/2 and 1/4, each eager and under dion's own CudaGraphOptimizer; none when ``import dion``
+    fails (a note says so)."""
+    if anchor_module()[0] is None:
+        return []
+    import importlib.util
+
+    fast, ns = dict(ANCHOR_FAST), "Gram NS + kernels"
+    if importlib.util.find_spec("cutlass") is None:  # its Gram NS runs on quack's CuteDSL kernels
+        fast["use_gram_newton_schulz"], ns = False, "standard NS + Triton kernels (no CuteDSL here)"
+    cls = ANCHOR_CLASS[args.flavor]
+    rows = [("dion_muon", f"microsoft/dion Muon ({ns})", "Muon", dict(fast))]
+    for tag, f in (("f1", 1.0), ("f1/2", 0.5), ("f1/4", 0.25)):
+        rows.append((f"dion_{tag}", f"microsoft/dion {cls} {tag.replace('f', 'f=')} ({ns})", cls,
+                     {**fast, "fraction": f, "triton_post_ortho": True}))
+    out = []
+    for name, label, cls_name, kw in rows:
+        options = {"class": cls_name, **kw}
+        out.append(BenchConfig(name, label, "anchor", options))
+        out.append(BenchConfig(name + "+graph", label + " + its CUDA graph", "anchor", options, graph=True))
+    return out
+
+
+def anchor_module() -> tuple[object | None, str]:
+    """(the ``dion`` package, "") or (None, why it cannot be imported)."""
+    try:
+        import dion
+    except Exception as exc:
+        return None, f"import dion failed: {type(exc).__name__}: {str(exc)[:120]}"
+    return dion, ""
+
+
+# Each of our rows and the anchor row it is compared with (same f, same graph setting).
+ANCHOR_PAIRS = {"dion3_f1_gram": "dion_f1", "dion3_f1/2": "dion_f1/2", "dion3_f1/4": "dion_f1/4"}
+
+
+def anchor_of(name: str, flavor: str) -> str | None:
+    base, graph = name.removesuffix("+graph"), name.endswith("+graph")
+    pair = ANCHOR_PAIRS.get(base)
+    if pair is None and base == "muon":
+        pair = "dion_muon"
+    if pair == "dion_f1" and flavor == "muon":
+        pair = "dion_muon"  # Muon flavor at f = 1: the authors' Muon
+    return None if pair is None else pair + ("+graph" if graph else "")
 
 
 def run_priority(cfg: BenchConfig) -> int:
@@ -427,6 +486,19 @@ def make_runner(cfg: BenchConfig, model: nn.Module, device: torch.device, graph_
         return Runner(opt.step)
     groups = build_param_groups(model.named_parameters(), adamw_lr=ADAMW_LR)
     matrices, scalars = groups[0]["params"], groups[1]["params"]
+    if cfg.kind == "anchor":
+        dion, _ = anchor_module()
+        kw = dict(cfg.options)
+        cls = getattr(dion, kw.pop("class"))
+        mesh = matrices[0].device_mesh if world_size() > 1 else None  # FSDP2's mesh
+        opt = cls([{"params": matrices}, {"params": scalars, "algorithm": "adamw", "lr": ADAMW_LR}],
+                  distributed_mesh=mesh, lr=MATRIX_LR, weight_decay=WEIGHT_DECAY, **kw)
+        if not cfg.graph:
+            return Runner(opt.step, ns_flops=None)
+        from dion.cuda_graph import CudaGraphOptimizer
+
+        graphed = CudaGraphOptimizer(opt, warmup_steps=GRAPH_WARMUP)
+        return Runner(graphed.step, release=graphed.release, ns_flops=None, graph_warmup=GRAPH_WARMUP)
     if cfg.kind == "torch_muon":
         muon = torch.optim.Muon(matrices, lr=MATRIX_LR, weight_decay=WEIGHT_DECAY, momentum=0.95)
         rest = adamw(scalars, device)
@@ -454,6 +526,8 @@ def unavailable_reason(cfg: BenchConfig, device: torch.device, graph_note: str) 
             return "torch.optim.Muon not in this torch"
         if world_size() > 1:
             return "torch.optim.Muon does not take DTensor shards (world > 1)"
+    if cfg.kind == "anchor" and device.type != "cuda":
+        return "microsoft/dion's fast path (Triton kernels) needs a GPU"
     if cfg.graph and device.type != "cuda":
         return "CUDA graphs need a GPU"
     if cfg.graph and graph_note:
@@ -538,6 +612,11 @@ def profile_step(runner: Runner, grads: GradFiller, name: str, top: int) -> None
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=top, max_name_column_width=70)
     log(f"profile of one {name} step (top {top} by device time):\n{table}")
+    if on_gpu:  # the same step by the torch ops that launched the kernels (eager steps only)
+        ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.device_time_total > 0]
+        ops.sort(key=lambda e: -e.device_time_total)
+        log("  device time by op (includes the kernels each launches): " + ", ".join(
+            f"{e.key} {e.device_time_total / 1e3:.2f} ms x{e.count}" for e in ops[:top]))
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -639,12 +718,12 @@ def attach_adamw_floor(rows: list[dict], model: nn.Module, gbps: float, device: 
         row["note"] = "floor: memory, 28 B/param at the copy bandwidth"
 
 
-def attach_ratios(rows: list[dict]) -> None:
+def attach_ratios(rows: list[dict], flavor: str) -> None:
     ok = {r["name"]: r for r in rows if r.get("status") == "ok"}
     for row in rows:
         if row.get("status") != "ok":
             continue
-        for ref, key in (("muon", "x_muon"), ("adamw", "x_adamw")):
+        for ref, key in (("muon", "x_muon"), ("adamw", "x_adamw"), (anchor_of(row["name"], flavor), "x_dion")):
             row[key] = row["gpu_ms"] / ok[ref]["gpu_ms"] if ref in ok and ok[ref]["gpu_ms"] > 0 else None
 
 
@@ -662,7 +741,7 @@ def print_table(meta: dict, rows: list[dict]) -> None:
     print(f"\n{meta['title']}")
     for n in meta["notes"]:
         print(f"NOTE: {n}")
-    head = (f"{'config':<22} {'GPU ms':>9} {'IQR':>13} {'xMuon':>6} {'xAdamW':>7} {'host ms':>8} "
+    head = (f"{'config':<22} {'GPU ms':>9} {'IQR':>13} {'xMuon':>6} {'xAdamW':>7} {'xDion':>6} {'host ms':>8} "
             f"{'comm MB':>8} {'NS TFLOP':>9} {'floor ms':>9} {'mem GB':>7}  note")
     print(head)
     print("-" * len(head))
@@ -670,7 +749,7 @@ def print_table(meta: dict, rows: list[dict]) -> None:
         iqr = f"{r['gpu_ms_q1']:.1f}-{r['gpu_ms_q3']:.1f}" if r.get("status") == "ok" else "-"
         note = r.get("note", "") if r.get("status") == "ok" else f"[{r.get('status')}] {r.get('note', '')}"
         print(f"{r['name']:<22} {fmt(r.get('gpu_ms'), '.2f', 9)} {iqr:>13} {fmt(r.get('x_muon'), '.2f', 6)} "
-              f"{fmt(r.get('x_adamw'), '.1f', 7)} {fmt(r.get('host_ms'), '.2f', 8)} {fmt(r.get('comm_mb'), 'auto', 8)} "
+              f"{fmt(r.get('x_adamw'), '.1f', 7)} {fmt(r.get('x_dion'), '.2f', 6)} {fmt(r.get('host_ms'), '.2f', 8)} {fmt(r.get('comm_mb'), 'auto', 8)} "
               f"{fmt(r.get('ns_tflop'), 'auto', 9)} {fmt(r.get('floor_ms'), 'auto', 9)} "
               f"{fmt(r.get('peak_mem_gb'), '.1f', 7)}  {note}")
 
@@ -747,6 +826,9 @@ def main(argv: list[str] | None = None) -> None:
     graph_cls, graph_note = graphed_optimizer_class()
     if graph_note and device.type == "cuda":
         notes.append(graph_note)
+    anchor_note = anchor_module()[1]
+    if anchor_note:
+        notes.append(f"no microsoft/dion rows: {anchor_note}")
 
     tflops = matmul_tflops(device, torch.float16, args.tiny)
     tflops_bf16 = matmul_tflops(device, torch.bfloat16, args.tiny)
@@ -806,7 +888,7 @@ def main(argv: list[str] | None = None) -> None:
     rows.sort(key=lambda r: order.index(r["name"]))
     attach_flops(rows, flops, {"float16": tflops, "bfloat16": tflops_bf16}, device)
     attach_adamw_floor(rows, model, gbps, device)
-    attach_ratios(rows)
+    attach_ratios(rows, args.flavor)
 
     meta.update(wall_s=time.time() - t_start, complete=True)
     if rank() == 0:

@@ -164,3 +164,12 @@ def test_config_keys_are_the_constructor_vocabulary():
     for key in Dion3Config.keys():
         assert key in group
     assert group["lr"] == 0.03 and group["fraction"] == 0.5 and group["flavor"] == "normuon"
+
+
+def test_every_configured_flavor_is_a_strategy() -> None:
+    """The config's allowed flavors and the flavor classes are the same set."""
+    from dion3_titan.optim.config import FLAVORS as NAMES
+    from dion3_titan.optim.flavors import FLAVORS
+
+    assert set(NAMES) == set(FLAVORS)
+    assert all(FLAVORS[n].name == n for n in NAMES)

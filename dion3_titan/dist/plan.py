@@ -15,6 +15,7 @@ import torch.distributed as dist
 from dion3_titan.dist.comm import CommStats, Exchange, ReplicatedExchange, ShardedExchange
 from dion3_titan.dist.layout import MatrixLayout
 from dion3_titan.optim.config import lr_scale
+from dion3_titan.optim.flavors import FLAVORS
 
 
 @dataclass
@@ -198,7 +199,7 @@ def _per_shard_batches(g: ShapeGroup) -> list[ShapeGroup]:
 def _plan_group(g: ShapeGroup, h: dict, stats: CommStats, loads: dict) -> None:
     lay = g.members[0].layout
     g.local_rows, g.local_cols = lay.local_rows, lay.local_cols
-    normuon = h["flavor"] == "normuon"
+    row_data = FLAVORS[h["flavor"]].row_data  # one extra column travels with the rows
     fraction, scope = h["fraction"], h["selection_scope"]
     device = g.members[0].param.device
     if not lay.matrix_shards():
@@ -230,4 +231,4 @@ def _plan_group(g: ShapeGroup, h: dict, stats: CommStats, loads: dict) -> None:
         q = min(range(len(load)), key=lambda r: (load[r], r))
         load[q] += cost
         owners.append(q)
-    g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, normuon, stats)
+    g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, row_data, stats)

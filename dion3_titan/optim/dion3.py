@@ -13,17 +13,18 @@ import torch
 from torch.optim.adamw import adamw
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
-from dion3_titan.dist.layout import describe, row_state, to_local, zeros_like_param
+from dion3_titan.dist.layout import describe, to_local, zeros_like_param
 from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
+from dion3_titan.optim import engine
 from dion3_titan.optim.config import Dion3Config
+from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
 from dion3_titan.optim.orthogonalize import NSSettings, is_transposed_batch, normalize_batch, orthogonalize
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.update import (
     apply_update,
     l1_scores,
-    normuon_normalize,
     take_rows,
     top_rows,
     top_rows_global,
@@ -47,6 +48,8 @@ class _GroupWork:
     backend: Backend
     tall: bool
     every_row: bool  # f = 1: rows are all of them, in order
+    fused: bool  # the row engine runs this group's passes (optim/engine.py)
+    void: torch.Tensor | None = None  # (N,) matrices whose NS result is taken as zero
 
 
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
@@ -148,10 +151,7 @@ class Dion3(torch.optim.Optimizer):
                 st = self.state[m.param]
                 if "momentum" not in st:  # one per parameter, shared by its pieces
                     st["momentum"] = zeros_like_param(m.param)
-                if cfg.flavor == "normuon" and m.variance_key not in st:
-                    # pieces that select rows share one state over the parameter's rows
-                    shares = m.piece is not None and m.layout.row_dim == -2
-                    st[m.variance_key] = row_state(m.param, describe(m.param, "rows") if shares else m.layout)
+                FLAVORS[cfg.flavor].create_state(st, m)
         for group, cfg in zip(self.param_groups, self._configs):
             if cfg is not None:
                 continue
@@ -269,16 +269,36 @@ class Dion3(torch.optim.Optimizer):
         if self._step_t is not None:
             self._step_t += self.nonfinite.ok.to(torch.int64)
         self._seed_random_selection(groups)
-        self._accumulate(groups)
-        work = [self._orthogonalize_group(sg) for sg in groups]
+        scores = self._accumulate(groups)
+        work = [self._orthogonalize_group(sg, scores.get(id(sg))) for sg in groups]
         if work:
             self._check_results(work, sync_check)
         for w in work:
             self._update_group(w)
 
-    def _accumulate(self, groups: list[ShapeGroup]) -> None:
-        """1. M <- M + G, once per parameter (a split parameter has several members)."""
-        seen, moms, grads = set(), [], []
+    def _accumulate(self, groups: list[ShapeGroup]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """1. M <- M + G, once per parameter (a split parameter has several members). Groups
+        the row engine serves also get their rows' l1 norms and sums of squares (N, R) from
+        the same pass, returned by id(group)."""
+        scores: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        fused: dict[int, list] = {}
+        for sg in groups:
+            if not self._fused(sg):
+                continue
+            l1 = torch.empty(sg.batch, sg.local_rows, dtype=torch.float32, device=to_local(sg.members[0].param).device)
+            sq = torch.empty_like(l1)
+            scores[id(sg)] = (l1, sq)
+            for m in sg.members:
+                sl = slice(m.offset, m.offset + m.layout.batch)
+                fused.setdefault(id(m.param), []).append((m, l1[sl], sq[sl]))
+        if fused:
+            engine.accumulate(
+                fused,
+                lambda p: to_local(self.state[p]["momentum"]),
+                lambda p: None if p.grad is None else to_local(p.grad),
+                self.nonfinite,
+            )
+        seen, moms, grads = set(fused), [], []
         for sg in groups:
             for m in sg.members:
                 if m.param.grad is not None and id(m.param) not in seen:
@@ -286,24 +306,38 @@ class Dion3(torch.optim.Optimizer):
                     moms.append(to_local(self.state[m.param]["momentum"]))
                     grads.append(to_local(m.param.grad))
         self.nonfinite.accumulate(moms, grads)
+        return scores
 
-    def _orthogonalize_group(self, sg: ShapeGroup) -> "_GroupWork":
-        """2-4: select this rank's rows, pack them, gather them to their owners, orthogonalize."""
+    def _fused(self, sg: ShapeGroup) -> bool:
+        """Whether the row engine runs this group's memory-bound passes."""
+        return engine.runs_on(self._configs[sg.group_index].backend, sg.members[0].param)
+
+    def _orthogonalize_group(
+        self, sg: ShapeGroup, scores: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> "_GroupWork":
+        """2-4: select this rank's rows, pack them, gather them to their owners, orthogonalize.
+        ``scores``: the row engine's (l1, sum of squares) per row, when it serves the group."""
         cfg = self._configs[sg.group_index]
         members = sg.members
         views = [m.view(to_local(self.state[m.param]["momentum"])) for m in members]
         every_row = self._every_row(sg, cfg)
-        rows, valid = (self._all_rows(sg, views[0].device), None) if every_row else self._select(sg, cfg, views)
+        if every_row:
+            rows, valid = self._all_rows(sg, views[0].device), None
+        else:
+            rows, valid = self._select(sg, cfg, views, None if scores is None else scores[0])
 
         sel, k, cols = sg.selected, sg.k, sg.cols
         rows_per = rows.split([m.layout.batch for m in members])
         send_v = None
-        if cfg.flavor == "normuon":
-            vs = torch.cat([self._variance(m) for m in members]).gather(1, rows)
+        flavor = FLAVORS[cfg.flavor]
+        if flavor.row_data:  # the flavor's per-row state travels with the rows
+            vs = torch.cat([flavor.rows_state(self.state[m.param], m) for m in members]).gather(1, rows)
             send_v = torch.nn.functional.pad(vs, (0, k - sel))
         ns = self._ns[sg.group_index]
         whole = every_row and not sg.exchange.moves_data and cols == sg.local_cols and k == sel
-        if whole and all(m.param.grad is not None for m in members):
+        if scores is not None:
+            owned, owned_v, normalized = self._pack_fused(sg, views, rows_per, valid, scores[1], send_v, every_row)
+        elif whole and all(m.param.grad is not None for m in members):
             # The whole momentum stays here: normalize it straight into the NS batch (one
             # pass over each matrix instead of a float32 copy, its norm, a division and a cast).
             owned, owned_v, normalized = normalize_batch(views, ns.eps, ns.dtype), send_v, True
@@ -323,42 +357,81 @@ class Dion3(torch.optim.Optimizer):
         real_rows = sg.global_k if cfg.selection_scope == "global" else sum(min(sg.k, r) for r in sg.block_rows)
         tall = real_rows > members[0].layout.global_cols
         ortho = orthogonalize(owned, ns, backend, tall, normalized)
-        return _GroupWork(sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row)
+        return _GroupWork(
+            sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row, scores is not None
+        )
+
+    def _pack_fused(self, sg, views, rows_per, valid, sq, send_v, every_row):
+        """The row engine's 2-3: selected rows straight into the NS batch, normalized and cast
+        (nothing moves), or into the zero-padded send buffer (the owner normalizes)."""
+        ns = self._ns[sg.group_index]
+        rows = None if every_row else list(rows_per)
+        valids = None if valid is None else list(valid.split([m.layout.batch for m in sg.members]))
+        active = [m.param.grad is not None for m in sg.members]
+        if not sg.exchange.moves_data and sg.cols == sg.local_cols and sg.k == sg.selected:
+            transposed = every_row and is_transposed_batch(views)
+            shape = (sg.batch, sg.k, sg.cols)
+            owned = engine.pack(views, rows, valids, active, shape, ns.dtype, sq, ns.eps, transposed)
+            return owned, send_v, True
+        send = engine.pack(views, rows, valids, active, (sg.batch, sg.k, sg.cols), views[0].dtype)
+        owned, owned_v = sg.exchange.gather(send, send_v)
+        return owned, owned_v, False
 
     def _check_results(self, work: list["_GroupWork"], sync_check: bool) -> None:
-        """A non-finite NS result is never applied (optim/nonfinite.py decides how)."""
+        """A non-finite NS result is never applied (optim/nonfinite.py decides how). In a
+        captured step where the row engine updates in place, the update kernel voids those
+        matrices itself (no pass over the batch)."""
         batches = [NSBatch(w.owned, w.ortho, self._ns[w.sg.group_index], w.backend, w.tall) for w in work]
-        outs, _ = self.nonfinite.orthogonalized(batches, sync_check)
-        for w, out in zip(work, outs):
+        in_kernel = [not sync_check and w.fused and not w.sg.exchange.moves_data for w in work]
+        outs, bads = self.nonfinite.orthogonalized(batches, sync_check, void_in_kernel=in_kernel)
+        for w, out, bad, void in zip(work, outs, bads, in_kernel):
             w.ortho = out
+            if void:
+                w.void = bad
 
     def _update_group(self, w: "_GroupWork") -> None:
-        """5-6: NorMuon on the owner, scatter back, then the fused update with error feedback."""
+        """5-6: the flavor's normalization on the owner, scatter back, then the fused update with
+        error feedback."""
         sg, cfg, members = w.sg, w.cfg, w.sg.members
-        normuon = cfg.flavor == "normuon"
+        group = self.param_groups[sg.group_index]
+        flavor = FLAVORS[cfg.flavor]
         ortho, owned_v = w.ortho, w.owned_v
-        if normuon:
-            ortho, owned_v = normuon_normalize(
-                ortho, owned_v, cfg.normuon_beta2, cfg.normuon_eps, members[0].layout.global_cols
-            )
+        cols = members[0].layout.global_cols
+        if w.fused and not sg.exchange.moves_data:  # the update kernel applies it (epilogue)
+            den, scale, owned_v = flavor.epilogue(ortho, owned_v, cfg, cols, w.void)
+        else:
+            den = scale = None
+            ortho, owned_v = flavor.normalize(ortho, owned_v, cfg, cols)
         result, result_v = sg.exchange.scatter(ortho, owned_v)
         sel = sg.selected
         result = result[:, :sel, : sg.local_cols]
 
         lr, decay, mu = self._step_factors(sg.group_index)
         valid_per = w.valid.split([m.layout.batch for m in members]) if w.valid is not None else None
+        slot = None  # the engine's row -> update-row map, one for the whole group
+        if w.fused and not w.every_row:
+            slot = engine.slots(torch.cat(w.rows_per), w.valid, sg.local_rows)
         for i, m in enumerate(members):
             if m.param.grad is None:
                 continue
             sl = slice(m.offset, m.offset + m.layout.batch)
             weight = m.view(to_local(m.param))
             ok = valid_per[i] if valid_per is not None else None
-            apply_update(
-                weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, mu, w.backend,
-                every_row=w.every_row,
-            )
-            if normuon:
-                v_state = self._variance(m)
+            if w.fused:
+                # ok: a step with a non-finite gradient leaves weights and momentum as they are
+                engine.update(
+                    weight, w.views[i], result[sl], None if slot is None else slot[sl],
+                    lr * m.lr_scale, decay, group["momentum"],
+                    None if den is None else den[sl, :sel], None if scale is None else scale[sl],
+                    ok=self.nonfinite.ok, void=None if w.void is None else w.void[sl],
+                )
+            else:
+                apply_update(
+                    weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, mu, w.backend,
+                    every_row=w.every_row,
+                )
+            if flavor.row_data:
+                v_state = flavor.rows_state(self.state[m.param], m)
                 v_new, v_old = result_v[sl, :sel].float(), v_state.gather(1, w.rows_per[i])
                 if ok is not None:
                     v_new = torch.where(ok, v_new, v_old)
@@ -369,7 +442,12 @@ class Dion3(torch.optim.Optimizer):
                     stamp = torch.where(ok, stamp, old)
                 self._last_selected[id(m)].scatter_(1, w.rows_per[i], self.nonfinite.keep(stamp, old))
             if self.measure_updates:
-                self._add_update_sumsq(m.name, (lr * m.lr_scale) * result[sl].float(), m.layout)
+                applied = result[sl].float()
+                if den is not None:
+                    applied = applied / den[sl, :sel, None] * scale[sl, None, None]
+                if w.void is not None:
+                    applied = torch.where(w.void[sl, None, None], 0.0, applied)
+                self._add_update_sumsq(m.name, (lr * m.lr_scale) * applied, m.layout)
 
     def _step_factors(self, gi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(lr, weight-decay factor 1 - lr wd, momentum decay mu) of matrix group ``gi`` for this
@@ -414,10 +492,6 @@ class Dion3(torch.optim.Optimizer):
         # every row decays, only the selected ones move: RMS over the whole matrix
         self.update_numel[cls] = self.update_numel.get(cls, 0) + layout.batch * layout.local_rows * layout.local_cols
 
-    def _variance(self, m) -> torch.Tensor:
-        """(B, R) local view of a member's NorMuon second moment."""
-        return m.variance_view(to_local(self.state[m.param][m.variance_key]))
-
     @staticmethod
     def _every_row(sg: ShapeGroup, cfg: Dion3Config) -> bool:
         """True when selection would pick every local row (f = 1): then there is nothing to
@@ -433,16 +507,16 @@ class Dion3(torch.optim.Optimizer):
         return self._device_consts[key]
 
     def _select(
-        self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor]
+        self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor], l1: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Row indices (N, selected) into each local (B, R, C) view, and for global scope a
-        mask of which are really selected."""
+        mask of which are really selected. ``l1``: the rows' l1 norms when already known."""
         device = views[0].device
         n_rb, r_max = len(sg.block_rows), max(sg.block_rows)
         if cfg.selection == "random":  # same draws on every rank: a global score table
             scores = torch.rand(sg.batch, n_rb, r_max, device=device, generator=self._rngs[sg.group_index])
         else:
-            local = torch.cat([l1_scores(v) for v in views])
+            local = l1 if l1 is not None else torch.cat([l1_scores(v) for v in views])
             if sg.col_blocks > 1 or (cfg.selection_scope == "global" and n_rb > 1):
                 local = torch.nn.functional.pad(local, (0, r_max - sg.local_rows))
                 scores = full_row_scores(sg.exchange, local, self.comm_stats)
@@ -492,6 +566,8 @@ class Dion3(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             st = self.state[p]
+            # elementwise: the local shards are the whole computation (and torch's fused kernel
+            # takes them whatever the placements)
             params.append(to_local(p))
             grads.append(to_local(p.grad))
             avgs.append(to_local(st["exp_avg"]))

@@ -113,17 +113,23 @@ class NonfiniteGuard:
         return 1.0 - self.ok
 
     def orthogonalized(
-        self, batches: Sequence[NSBatch], sync_check: bool
+        self, batches: Sequence[NSBatch], sync_check: bool, void_in_kernel: Sequence[bool] = ()
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The batches' results with no non-finite matrix, and which matrices were not finite
         (counted). With ``sync_check`` (eager steps: one host read for every batch, and the
         gradient flag read with it) they are recomputed (``repair_nonfinite``); without it
-        (captured steps) they become zero, so that matrix's update subtracts nothing."""
+        (captured steps) they become zero, so that matrix's update subtracts nothing — except
+        where ``void_in_kernel`` says the update kernel zeroes them itself (the caller then
+        passes it the returned flags)."""
         bads = [nonfinite_matrices(b.out) for b in batches]
         for bad in bads:
             self._count_ns(bad)
         if not sync_check:
-            zeroed = [torch.where(bad[:, None, None], torch.zeros_like(b.out), b.out) for b, bad in zip(batches, bads)]
+            voided = list(void_in_kernel) + [False] * (len(batches) - len(void_in_kernel))
+            zeroed = [
+                b.out if in_kernel else torch.where(bad[:, None, None], torch.zeros_like(b.out), b.out)
+                for b, bad, in_kernel in zip(batches, bads, voided)
+            ]
             return zeroed, bads
         if not bads:
             return [], []

@@ -1,0 +1,74 @@
+"""Flavors of the matrix update (Muon, NorMuon): everything a flavor adds to the Dion3
+pipeline, in one place.
+
+A flavor owns its state keys, the per-row data that travels with the selected rows (gathered
+to the owner with them and scattered back), its normalization of the orthogonalized rows on
+the torch reference path, and the factors of the row engine's update epilogue. The pipeline in
+dion3.py asks the flavor and never tests its name; a new flavor is one class here and its name
+in ``FLAVORS`` (and in the config's allowed values).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dion3_titan.dist.layout import describe, row_state, to_local
+from dion3_titan.optim.config import Dion3Config
+from dion3_titan.optim.update import normuon_normalize
+
+
+class Flavor:
+    """Muon: the orthogonalized rows are the update; no state and no per-row data."""
+
+    name = "muon"
+    row_data = False  # per-row data travels with the rows (one extra column in the exchange)
+
+    def create_state(self, state: dict, member) -> None:
+        """Add this flavor's state tensors for ``member`` to the parameter's ``state``."""
+
+    def rows_state(self, state: dict, member) -> torch.Tensor | None:
+        """(B, R) local view of the member's per-row state (None: the flavor has none)."""
+        return None
+
+    def normalize(
+        self, ortho: torch.Tensor, data: torch.Tensor | None, cfg: Dion3Config, cols: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reference path, on the owner: (update rows, new per-row data) from the NS result."""
+        return ortho, data
+
+    def epilogue(
+        self, ortho: torch.Tensor, data: torch.Tensor | None, cfg: Dion3Config, cols: int, void: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Row engine: (row denominators, matrix scales, new per-row data) that the update
+        kernel applies to the NS result itself; (None, None, data) when there is nothing to
+        apply."""
+        return None, None, data
+
+
+class NorMuon(Flavor):
+    """NorMuon: each selected row is divided by the root of its second moment (an EMA of the
+    row's mean square), the matrix rescaled to the NS result's Frobenius norm (paper Sec. 6)."""
+
+    name = "normuon"
+    row_data = True
+
+    def create_state(self, state: dict, member) -> None:
+        if member.variance_key in state:
+            return  # pieces that select rows share one state over the parameter's rows
+        # (laid out like the parameter's rows, so DCP reshards it however shards cut the pieces)
+        shares = member.piece is not None and member.layout.row_dim == -2
+        state[member.variance_key] = row_state(member.param, describe(member.param, "rows") if shares else member.layout)
+
+    def rows_state(self, state: dict, member) -> torch.Tensor:
+        return member.variance_view(to_local(state[member.variance_key]))
+
+    def normalize(self, ortho, data, cfg, cols):
+        return normuon_normalize(ortho, data, cfg.normuon_beta2, cfg.normuon_eps, cols)
+
+    def epilogue(self, ortho, data, cfg, cols, void):
+        from dion3_titan.optim import engine
+
+        return engine.normuon_factors(ortho, data, cfg.normuon_beta2, cfg.normuon_eps, cols, void)
+
+
+FLAVORS: dict[str, Flavor] = {f.name: f for f in (Flavor(), NorMuon())}

@@ -1,0 +1,290 @@
+"""The row engine's kernels (kernels/row_engine.py, optim/engine.py) against the torch path, on
+CPU through Triton's interpreter.
+
+As in test_kernels_interpret.py, the checks run in one child process that imports Triton with
+TRITON_INTERPRET=1 and prints a JSON line per check. Inputs are fresh random draws each run (the
+seed is printed with every result); views cover row-major, transposed (column selection),
+strided pieces and 3D stacks, ragged row counts and zero padding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- child process (interpreter)
+def _views(dtype, B: int, R: int, C: int):
+    """name -> (B, R, C) view of a fresh tensor, in the layouts the optimizer hands the engine."""
+    import torch
+
+    return {
+        "rowmajor": torch.randn(B, R, C).to(dtype),
+        "transposed": torch.randn(B, C, R).to(dtype).mT,  # selection along columns
+        "piece": torch.randn(B, 2 * R, C).to(dtype)[:, 1::2, :],  # strided row slice
+    }
+
+
+def _run_checks(seed: int, device: str = "cpu") -> list[dict]:
+    """Every check on ``device`` (tests/gpu/test_row_engine_gpu.py runs them on a GPU)."""
+    import torch
+
+    torch.set_default_device(device)
+    try:
+        return _checks(seed)
+    finally:
+        torch.set_default_device(None)
+
+
+def _checks(seed: int) -> list[dict]:
+    import torch
+
+    from dion3_titan.kernels import row_engine as rk
+    from dion3_titan.kernels.torch_ops import _fused_update_reference
+    from dion3_titan.optim import engine
+    from dion3_titan.optim.update import l1_scores, normuon_normalize, take_rows
+
+    torch.manual_seed(seed)
+    out: list[dict] = []
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+    # (a) accumulate + score
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, R, C in [(1, 37, 300), (3, 5, 1100), (2, 64, 48)]:
+            for layout, m in _views(dtype, B, R, C).items():
+                for with_g in (True, False):
+                    g = torch.randn(B, R, C).to(dtype) if with_g else None
+                    ref = m.clone()
+                    if g is not None:
+                        torch._foreach_add_([ref], [g])
+                    l1 = torch.full((B, R), float("nan"))
+                    sq = torch.full((B, R), float("nan"))
+                    rk.accumulate_scores(m, g, l1, sq)
+                    out.append({
+                        "check": "accumulate", "case": f"{dtype},{B}x{R}x{C},{layout},g={with_g}",
+                        "bitwise": bool(torch.equal(m, ref)),
+                        "l1_err": rel(l1, l1_scores(ref)),
+                        "sq_err": rel(sq, ref.double().square().sum(-1)),
+                    })
+
+    # (b) gather + normalize + cast, into a poisoned (N, K, C_out) buffer
+    for B, R, C, K, C_out in [(2, 37, 300, 11, 300), (3, 16, 40, 6, 48), (1, 9, 130, 9, 130)]:
+        for layout, m in _views(torch.float32, B, R, C).items():
+            for mode in ("rows", "rows+keep", "every", "inactive"):
+                n = R if mode == "every" else max(1, K - 2)  # ragged: fewer rows than K
+                rows = None if mode == "every" else torch.stack([torch.randperm(R)[:n].sort().values for _ in range(B)])
+                keep = torch.rand(B, n) > 0.3 if mode == "rows+keep" else None
+                den = torch.rand(B) + 0.5
+                dest_t = layout == "transposed" and mode == "every"
+                K_eff = max(K, n)
+                dest = torch.full((B, C_out, K_eff), float("nan")).half().mT if dest_t else torch.full((B, K_eff, C_out), float("nan")).half()
+                rk.gather_rows(m, rows, dest, keep=keep, denominator=den, active=mode != "inactive")
+                picked = m if rows is None else take_rows(m, rows)
+                if keep is not None:
+                    picked = picked * keep.unsqueeze(-1)
+                if mode == "inactive":
+                    picked = torch.zeros_like(picked)
+                padded = torch.nn.functional.pad(picked, (0, C_out - C, 0, K_eff - n))
+                ref = torch.div(padded, den[:, None, None], out=torch.empty_like(padded, dtype=torch.float16))
+                out.append({
+                    "check": "gather", "case": f"{B}x{R}x{C}->{K_eff}x{C_out},{layout},{mode}",
+                    "bitwise": bool(torch.equal(dest, ref)), "finite": bool(torch.isfinite(dest).all()),
+                })
+
+    # engine.pack's normalization: the reference's x / (||x||_F + eps), from the row sums
+    for layout, m in _views(torch.float32, 2, 30, 64).items():
+        l1, sq = torch.empty(2, 30), torch.empty(2, 30)
+        rk.accumulate_scores(m, None, l1, sq)
+        rows = [torch.stack([torch.randperm(30)[:8].sort().values]) for _ in range(2)]
+        views = [m[:1], m[1:]]
+        got = engine.pack(views, rows, None, [True, True], (2, 8, 64), torch.float16, sq, 1e-7)
+        sel = torch.cat([take_rows(v, r) for v, r in zip(views, rows)])
+        ref = sel / (torch.linalg.vector_norm(sel, dim=(-2, -1), keepdim=True) + 1e-7)
+        out.append({"check": "pack_norm", "case": layout, "err": rel(got, ref)})
+
+    # (c) update + error feedback (+ NorMuon epilogue, + ok flag)
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, R, C, k in [(3, 37, 300, 5), (1, 9, 40, 0), (2, 64, 64, 17)]:
+            for layout in ("rowmajor", "transposed", "piece"):
+                for mode in ("plain", "valid", "every", "normuon", "skip", "void"):
+                    every = mode == "every"
+                    kk = R if every else k
+                    w = _views(dtype, B, R, C)[layout]
+                    mom = _views(torch.float32, B, R, C)[layout]
+                    rows = torch.arange(R).expand(B, R) if every else torch.stack(
+                        [torch.randperm(R)[:kk].sort().values for _ in range(B)]).reshape(B, kk)
+                    valid = torch.rand(B, kk) > 0.4 if mode == "valid" else None
+                    upd = torch.randn(B, kk, C + 3).half()[..., :C]  # a padded result, sliced
+                    lr, decay, mu = torch.tensor(0.0173), torch.tensor(0.98), 0.95
+                    den = scale = None
+                    applied = upd.float()
+                    if mode == "normuon":
+                        den, scale = torch.rand(B, kk) + 0.5, torch.rand(B) + 0.5
+                        applied = (upd.float() / den[..., None]) * scale[:, None, None]
+                    if valid is not None:
+                        applied = applied * valid.unsqueeze(-1)  # the reference's NS input was zero there
+                    void = None
+                    if mode == "void":  # a non-finite result: the reference zeroes it
+                        void = torch.arange(B) % 2 == 0
+                        upd = torch.where(void[:, None, None], float("nan"), upd)
+                        applied = torch.where(void[:, None, None], 0.0, upd.float())
+                    w_ref, m_ref = w.clone(), mom.clone()
+                    if mode != "skip":
+                        _fused_update_reference(w_ref, applied, rows, lr, decay)
+                        factor = mu if valid is None else torch.where(valid, mu, 1.0).unsqueeze(-1)
+                        idx = rows.unsqueeze(-1).expand(-1, -1, C)
+                        m_ref.scatter_(1, idx, m_ref.gather(1, idx).mul_(factor))
+                    ok = torch.tensor(mode != "skip")
+                    slot = None if every else engine.slots(rows, valid, R)
+                    engine.update(w, mom, upd, slot, lr, decay, mu, den, scale, ok if mode == "skip" else None, void)
+                    out.append({
+                        "check": "update", "case": f"{dtype},{B}x{R}x{C},k={kk},{layout},{mode}",
+                        "bitwise": bool(torch.equal(w, w_ref) and torch.equal(mom, m_ref)),
+                    })
+
+    # NorMuon factors against update.normuon_normalize
+    for K, C in [(12, 80), (7, 33)]:
+        o = torch.randn(3, K, C).half()
+        v = torch.rand(3, K)
+        den, scale, v_new = engine.normuon_factors(o, v, 0.95, 1e-8, C)
+        o_hat, v_ref = normuon_normalize(o, v, 0.95, 1e-8, C)
+        got = (o.float() / den[..., None]) * scale[:, None, None]
+        out.append({"check": "normuon", "case": f"{K}x{C}", "err": max(rel(got, o_hat), rel(v_new, v_ref))})
+
+    out += _step_checks()
+    return out
+
+
+def _step_checks() -> list[dict]:
+    """Whole Dion3 steps with the engine on against the same steps with it off (same NS): muon/normuon, f = 1/4 and 1, a 3D stack, column selection, a parameter without
+    a gradient."""
+    import torch
+
+    from dion3_titan import Dion3
+    from dion3_titan.optim import engine
+
+    out = []
+    for flavor in ("muon", "normuon"):
+        for fraction in (0.25, 1.0):
+            for selection_dim in ("rows", "cols"):
+                finals, used = [], []
+                for fused in (True, False):
+                    torch.manual_seed(5)
+                    params = [torch.nn.Parameter(torch.randn(48, 80) * 0.02),
+                              torch.nn.Parameter(torch.randn(2, 40, 24) * 0.02),
+                              torch.nn.Parameter(torch.randn(48, 80) * 0.02)]
+                    # NS on torch in both runs (the interpreter's GEMMs are slow); the engine on or off
+                    start = [p.detach().clone() for p in params]
+                    opt = Dion3([{"params": params}], lr=0.02, fraction=fraction, flavor=flavor,
+                                weight_decay=0.1, backend="torch", selection_dim=selection_dim)
+                    runs_on, update = engine.runs_on, engine.update
+                    engine.runs_on = lambda backend, p, on=fused: on
+                    calls = []
+                    engine.update = lambda *a, **kw: (calls.append(1), update(*a, **kw))
+                    try:
+                        for step in range(3):
+                            for j, p in enumerate(params):
+                                p.grad = None if (j == 2 and step == 1) else torch.randn_like(p)
+                            opt.step()
+                    finally:
+                        engine.runs_on, engine.update = runs_on, update
+                    used.append(bool(calls) == fused)
+                    # what the steps changed (the weights themselves would hide a wrong update)
+                    finals.append([p.detach() - p0 for p, p0 in zip(params, start)]
+                                  + [opt.state[p]["momentum"].clone() for p in params])
+                err = max(((a - b).norm() / b.norm()).item() for a, b in zip(*finals))
+                out.append({"check": "step", "case": f"{flavor},f={fraction},{selection_dim}", "err": err,
+                            "engine_used": all(used)})
+    return out
+
+
+# ---------------------------------------------------------------- pytest side (parent process)
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _of(results: list[dict], check: str) -> list[dict]:
+    found = [r for r in results if r["check"] == check]
+    assert found, f"no {check} results"
+    return found
+
+
+def test_accumulate_adds_bitwise_and_scores_rows(results) -> None:
+    bad = [r for r in _of(results, "accumulate") if not (r["bitwise"] and r["l1_err"] < 1e-5 and r["sq_err"] < 1e-5)]
+    assert not bad, bad
+
+
+def test_gather_matches_take_rows_pad_divide_cast_bitwise(results) -> None:
+    bad = [r for r in _of(results, "gather") if not (r["bitwise"] and r["finite"])]
+    assert not bad, bad
+
+
+def test_pack_normalizes_by_the_selected_rows_norm(results) -> None:
+    bad = [r for r in _of(results, "pack_norm") if not r["err"] < 1e-3]  # one fp16 rounding
+    assert not bad, bad
+
+
+def test_update_matches_reference_bitwise(results) -> None:
+    bad = [r["case"] for r in _of(results, "update") if not r["bitwise"]]
+    assert not bad, bad
+
+
+def test_normuon_factors_match_normuon_normalize(results) -> None:
+    bad = [r for r in _of(results, "normuon") if not r["err"] < 1e-5]
+    assert not bad, bad
+
+
+def test_step_with_engine_matches_reference_path(results) -> None:
+    # the engine differs only in summation order of norms (fp16 NS input rounding)
+    bad = [r for r in _of(results, "step") if not (r["err"] < 1e-2 and r["engine_used"])]
+    assert not bad, bad
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the pytest tests do)")
+    seed = int.from_bytes(os.urandom(4), "little")
+    for result in _run_checks(seed):
+        print(json.dumps({**result, "seed": seed}))
+
+
+# ---------------------------------------------------------------- FSDP2 ranks (gloo, interpreter)
+def _fsdp_worker(rank, world, configs, out_path):
+    import torch
+
+    from dion3_titan.optim import engine
+    from tests.test_dist_fsdp import _run
+
+    assert engine.runs_on("triton", torch.zeros(1)), "the ranks must run the engine (TRITON_INTERPRET=1)"
+    results = [_run(world, *c) for c in configs]
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_engine_under_fsdp_matches_the_textbook_update(tmp_path, monkeypatch) -> None:
+    """Two gloo ranks with FSDP2 (sharded rows move through the exchange; uneven shards, empty
+    ranks, a 3D stack), the engine on: the same textbook references as tests/test_dist_fsdp.py."""
+    import torch
+
+    from tests.spawn import spawn
+    from tests.test_dist_fsdp import CONFIGS, SHAPES
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import Triton with it
+    out = tmp_path / "r.pt"
+    spawn(2, _fsdp_worker, [(*c, 1, 3, SHAPES, "cpu", "triton") for c in CONFIGS], str(out))
+    for config, r in zip(CONFIGS, torch.load(out)):
+        for name, got, want in zip(SHAPES, r["final"], r["ref"]):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (config, name, (got - want).abs().max())
