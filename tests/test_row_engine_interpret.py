@@ -161,6 +161,7 @@ def _checks(seed: int) -> list[dict]:
         out.append({"check": "normuon", "case": f"{K}x{C}", "err": max(rel(got, o_hat), rel(v_new, v_ref))})
 
     out += _step_checks()
+    out += _nonfinite_checks()
     return out
 
 
@@ -207,11 +208,49 @@ def _step_checks() -> list[dict]:
     return out
 
 
+def _nonfinite_checks() -> list[dict]:
+    """The engine's gates: a step with a non-finite gradient (nonfinite="skip") leaves every
+    parameter, state tensor and counter bit for bit as it was, eager and as the captured body."""
+    import torch
+
+    from dion3_titan import Dion3
+    from dion3_titan.optim import engine
+    from tests.test_nonfinite import BAD_STEP, NAMES, _build, _set_grads, _snapshot
+
+    out = []
+    runs_on, update = engine.runs_on, engine.update
+    calls = []
+    engine.runs_on = lambda backend, p: True
+    engine.update = lambda *a, **kw: (calls.append(1), update(*a, **kw))
+    try:
+        for flavor in ("muon", "normuon"):
+            for fraction in (0.25, 1.0):
+                for captured in (False, True):
+                    opt = _build(Dion3, "skip", flavor=flavor, fraction=fraction, backend="torch")
+                    for step in range(BAD_STEP):
+                        _set_grads(opt, step)
+                        opt.step()
+                    before = _snapshot(opt)
+                    _set_grads(opt, BAD_STEP, poison=NAMES[0])
+                    if captured:
+                        opt.load_hyperparameters()
+                        opt.step_body(sync_check=False)
+                    else:
+                        opt.step()
+                    after = _snapshot(opt)
+                    same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+                    out.append({"check": "nonfinite", "case": f"{flavor},f={fraction},captured={captured}",
+                                "ok": same, "engine_used": bool(calls)})
+    finally:
+        engine.runs_on, engine.update = runs_on, update
+    return out
+
+
 # ---------------------------------------------------------------- pytest side (parent process)
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
+def results(module_seed: int) -> list[dict]:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run([sys.executable, __file__, str(module_seed)], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -253,10 +292,15 @@ def test_step_with_engine_matches_reference_path(results) -> None:
     assert not bad, bad
 
 
+def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:
+    bad = [r for r in _of(results, "nonfinite") if not (r["ok"] and r["engine_used"])]
+    assert not bad, bad
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (the pytest tests do)")
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(sys.argv[1])
     for result in _run_checks(seed):
         print(json.dumps({**result, "seed": seed}))
 

@@ -62,9 +62,8 @@ def _accumulate_scores_kernel(
     # elementwise partial sums, reduced once after the loop (no cross-warp reduction per tile)
     l1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     sq = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    add = True
     if HAS_OK:  # a step judged not finite leaves the momentum as it is
-        add = tl.load(ok_ptr).to(tl.int32) != 0
+        add = ((tl.zeros([BLOCK_R], dtype=tl.int32) + tl.load(ok_ptr).to(tl.int32)) != 0)[:, None]
     for c0 in range(0, num_cols, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_ok[:, None] & (cols[None, :] < num_cols)
@@ -74,8 +73,12 @@ def _accumulate_scores_kernel(
             g_ptrs = g_ptr + batch * s_gb + rows64[:, None] * s_gr + cols[None, :].to(tl.int64) * s_gc
             g = tl.load(g_ptrs, mask=mask, other=0.0)
             new = _round_to(m.to(tl.float32) + g.to(tl.float32), m_ptr.dtype.element_ty, INTERPRET)
-            tl.store(m_ptrs, new, mask=mask & add)
-            m = tl.where(add, new, m)
+            if HAS_OK:
+                tl.store(m_ptrs, new, mask=mask & add)
+                m = tl.where(add, new, m)
+            else:
+                tl.store(m_ptrs, new, mask=mask)
+                m = new
         x = m.to(tl.float32)  # the stored value: what the reference scores
         l1 += tl.abs(x)
         sq += x * x
