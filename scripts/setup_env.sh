@@ -3,8 +3,9 @@
 #
 #   bash scripts/setup_env.sh            # ./.venv: torchtitan 0.2.2, every package at its
 #                                        # version in constraints.txt (CI, the README's commands)
-#   TITAN=0.3 bash scripts/setup_env.sh  # ./.venv03: torchtitan 0.3.0, pinned by
-#                                        # constraints-titan03.txt (scripts/test_titan03.sh)
+#   TITAN=0.3 VENV=.venv03 bash scripts/setup_env.sh
+#                                        # torchtitan 0.3.0, pinned by constraints-titan03.txt
+#                                        # (scripts/test_titan03.sh)
 #   LATEST=1 VENV=.venv-latest bash scripts/setup_env.sh
 #                                        # the same packages at the newest versions pip resolves
 #                                        # (scripts/test_latest.sh; not used by CI)
@@ -17,13 +18,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TITAN=${TITAN:-0.2}
 case $TITAN in
-  0.2) TORCHTITAN=0.2.2; CONSTRAINTS=constraints.txt; default_venv=.venv; extras=(torchao matplotlib) ;;
-  0.3) TORCHTITAN=0.3.0; CONSTRAINTS=constraints-titan03.txt; default_venv=.venv03; extras=() ;;
+  0.2) TORCHTITAN=0.2.2; CONSTRAINTS=constraints.txt; extras=(torchao matplotlib) ;;
+  0.3) TORCHTITAN=0.3.0; CONSTRAINTS=constraints-titan03.txt; extras=() ;;
   *) echo "TITAN=$TITAN: must be 0.2 or 0.3" >&2; exit 2 ;;
 esac
-VENV=${VENV:-$default_venv}
+VENV=${VENV:-.venv}
 LATEST=${LATEST:-0}
-if [[ -x $VENV/bin/python ]] && [[ -f $VENV/.ready ]] && $VENV/bin/python -c "import dion3_titan, torchtitan, pytest" 2>/dev/null; then
+if [[ -x $VENV/bin/python ]] && [[ -f $VENV/.ready ]] && $VENV/bin/python -c "import dion3_titan, torchtitan, pytest, xdist" 2>/dev/null; then
   exit 0
 fi
 pins=(-c "$CONSTRAINTS")
@@ -43,7 +44,7 @@ else
   "$VENV"/bin/python -m pip install -q "${pins[@]}" torch==2.13.0 triton
 fi
 "$VENV"/bin/python -m pip install -q "${pins[@]}" "torchtitan==$TORCHTITAN" tokenizers tomli datasets numpy \
-  pytest pytest-timeout "${extras[@]}"
+  pytest pytest-timeout pytest-xdist "${extras[@]}"
 # Built by the pinned setuptools (--build-constraint). -qq: setuptools prints a notice on every
 # editable install, whatever the project; tests/test_packaging.py builds our wheel with every
 # warning shown and fails on any.

@@ -25,6 +25,8 @@ def _session_seed() -> int:
 
 
 SESSION_SEED = _session_seed()
+# pytest-xdist's workers and the tests' own subprocesses inherit it: one seed for the session
+os.environ[SEED_ENV] = str(SESSION_SEED)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
