@@ -494,3 +494,15 @@ def test_f1_muon_coefficients_follow_torch_muon(adjust_lr_fn):
     assert _displacement_vs_torch_muon(adjust_lr_fn, "muon") < 0.02
     scaled = [(a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in (MUON_QUINTIC,) * 5]
     assert _displacement_vs_torch_muon(adjust_lr_fn, scaled) > 0.05
+
+
+def test_float64_matrices_at_fraction_below_one() -> None:
+    """float64 parameters select rows too (the l1 score once refused to narrow float64)."""
+    g = torch.Generator().manual_seed(21)
+    w = torch.nn.Parameter(torch.randn(12, 20, generator=g, dtype=torch.float64))
+    before = w.detach().clone()
+    opt = Dion3([w], lr=0.02, fraction=0.25, ns_dtype="float64", weight_decay=0.0)
+    w.grad = torch.randn(12, 20, generator=g, dtype=torch.float64)
+    opt.step()
+    moved = (w.detach() != before).any(dim=1)
+    assert int(moved.sum()) == 3  # ceil(0.25 * 12) rows, the others untouched

@@ -21,11 +21,12 @@ def _fused_update_reference(
     """weight (B, R, C) view; update (B, k, C); rows (B, k) int64 row indices into dim 1.
 
     weight <- decay * weight on every row, then weight[b, rows[b]] -= lr * update[b], computed
-    in float32 and rounded to the weight's dtype once.
+    in float32 (float64 for float64 weights) and rounded to the weight's dtype once.
     """
-    w32 = weight.float().mul_(decay)
+    wide = torch.promote_types(weight.dtype, torch.float32)
+    w32 = weight.to(wide).mul_(decay)
     index = rows.unsqueeze(-1).expand(-1, -1, weight.shape[-1])
-    selected = w32.gather(1, index).sub_(lr * update.float())
+    selected = w32.gather(1, index).sub_(lr * update.to(wide))
     w32.scatter_(1, index, selected)
     weight.copy_(w32)
 

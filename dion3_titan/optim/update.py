@@ -7,8 +7,10 @@ from dion3_titan.kernels.backend import Backend
 
 
 def l1_scores(momentum: torch.Tensor) -> torch.Tensor:
-    """Row l1 norms (B, R) in float32 of momentum (B, R, C)."""
-    return torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=torch.float32)
+    """Row l1 norms (B, R) in float32 of momentum (B, R, C) (summed in float64 for float64
+    momentum: the norm may widen its input, never narrow it)."""
+    wide = torch.promote_types(momentum.dtype, torch.float32)
+    return torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=wide).float()
 
 
 def top_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
