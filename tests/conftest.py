@@ -56,23 +56,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         )
 
 
-# The longest test files, longest first: under pytest-xdist (a file per worker at a time) they
-# start first, so no long file is left running alone at the end.
-LONGEST_FIRST = (
-    "test_torchtitan_train.py",
-    "test_torchtitan_checkpoint.py",
-    "test_row_engine_interpret.py",
-    "test_dist_parallel.py",
-    "test_torchtitan_config.py",
-    "test_dist_fsdp.py",
-    "test_torchtitan_pipeline.py",
-    "test_train.py",  # tests/titan03
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
