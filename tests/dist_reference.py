@@ -34,7 +34,7 @@ def select(m: torch.Tensor, fraction: float, chunks: list[int] | None) -> torch.
 
 class TextbookDion3:
     """Per full matrix W (rows = dim 0): M += G; S = top rows; O = polar(M[S]); optional
-    NorMuon; W *= 1 - lr wd; W[S] -= lr * scale * O; M[S] *= mu."""
+    NorMuon; W *= 1 - lr' wd; W[S] -= lr * scale * O; M[S] *= mu (lr' = lr / sqrt(f))."""
 
     def __init__(self, shapes, *, lr, fraction, flavor, momentum=0.95, beta2=0.95, wd=0.0, eps=1e-8, chunks=None):
         self.lr, self.f, self.flavor, self.mu, self.beta2, self.wd, self.eps = lr, fraction, flavor, momentum, beta2, wd, eps
@@ -61,6 +61,6 @@ class TextbookDion3:
             oh = o / (v[rows].sqrt() + self.eps)[:, None]
             o = oh * (o.norm() / oh.norm())
         scale = math.sqrt(w.shape[0] / w.shape[1]) / math.sqrt(self.f)
-        w.mul_(1 - self.lr * self.wd)
+        w.mul_(1 - self.lr / math.sqrt(self.f) * self.wd)  # Alg. 4 line 8 with the transferred lr
         w[rows] -= self.lr * scale * o
         m[rows] *= self.mu

@@ -146,6 +146,26 @@ def test_fraction_updates_exactly_k_rows(flavor, fraction):
                     torch.testing.assert_close(w_o[b, idx], w0_o[b, idx] - scale * o, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("transfer", [True, False])
+def test_weight_decay_uses_the_transferred_lr(transfer):
+    """Alg. 4 decays every row by 1 - lr' wd with lr' the learning rate of the update (lr / sqrt(f)
+    with the transfer on): the rows a step does not select change by exactly that factor."""
+    lr, wd, fraction = 0.02, 0.1, 0.25
+    params = make_params(1, torch.float64)
+    opt = Dion3(params, lr=lr, fraction=fraction, weight_decay=wd, fraction_lr_transfer=transfer, ns_dtype="float64")
+    before = [p.detach().clone() for p in params]
+    for p, g in zip(params, random_grads(3)):
+        p.grad = g.double()
+    opt.step()
+    factor = 1 - lr * wd / (math.sqrt(fraction) if transfer else 1.0)
+    for p, w0 in zip(params, before):
+        w_o, w0_o = oriented(p.detach()), oriented(w0)
+        # rows that only decayed (lr and wd are float32 device scalars: compare to 1e-7)
+        kept = ((w_o - w0_o * factor).abs() <= 1e-7 * w0_o.abs()).all(dim=-1)
+        k = k_rows(fraction, w_o.shape[1])
+        assert kept.sum(dim=1).tolist() == [w_o.shape[1] - k] * w_o.shape[0]
+
+
 def test_error_feedback_selects_a_persistently_small_row():
     """A row whose gradient is always 20x smaller is never in the top-k by its gradient, but its
     undecayed momentum grows until it is selected (without error feedback it never would be)."""

@@ -76,9 +76,9 @@ class Dion3Config:
     momentum: float = 0.95  # mu: selected momentum rows decay by mu after each step
     normuon_beta2: float = 0.95  # NorMuon's row second-moment EMA factor
     normuon_eps: float = 1e-8
-    weight_decay: float = 0.0  # decoupled, applied to every row: W *= 1 - lr * weight_decay
+    weight_decay: float = 0.0  # decoupled, every row: W *= 1 - lr' * weight_decay (lr' = transferred lr)
     lr_rule: str = "spectral"  # "spectral": lr*sqrt(d_out/d_in); "rms": lr*0.2*sqrt(max dim); "none"
-    fraction_lr_transfer: bool = True  # lr' = lr / sqrt(f), keeping the update's Frobenius norm
+    fraction_lr_transfer: bool = True  # lr' = lr / sqrt(f) for the update and the weight decay
     ns_algorithm: str = "auto"  # "gram" | "standard" | "auto" (gram for rectangular, standard for square)
     ns_coefficients: object = "polar_express"  # "polar_express" | "muon" | [(a, b, c), ...]
     ns_steps: int = 5
@@ -170,11 +170,22 @@ class Dion3Config:
         return tuple(f.name for f in fields(cls))
 
 
+def fraction_transfer(fraction: float, transfer: bool) -> float:
+    """The one place the fraction's learning-rate transfer is defined: lr' = lr * this.
+
+    With ``transfer``, f * rows orthogonal rows carry the Frobenius norm of a full update when
+    the learning rate is divided by sqrt(f) (paper Sec. 8.1). lr' is the learning rate of the
+    paper's Alg. 4, so it scales both the update and the decoupled weight decay (line 8), as in
+    microsoft/dion, whose users pass lr' itself.
+    """
+    return 1.0 / math.sqrt(fraction) if transfer else 1.0
+
+
 def lr_scale(d_out: int, d_in: int, rule: str, fraction: float, transfer: bool) -> float:
     """The one place the matrix learning-rate multiplier is defined.
 
-    The update of a d_out x d_in matrix is ``lr * lr_scale(...) * O``; ``transfer`` divides by
-    sqrt(f) so that f * rows orthogonal rows carry the Frobenius norm of a full update.
+    The update of a d_out x d_in matrix is ``lr * lr_scale(...) * O``: the shape rule times
+    ``fraction_transfer``. Weight decay takes only the transfer (``fraction_transfer``).
     """
     if rule == "spectral":
         scale = math.sqrt(d_out / d_in)
@@ -184,6 +195,4 @@ def lr_scale(d_out: int, d_in: int, rule: str, fraction: float, transfer: bool) 
         scale = 1.0
     else:
         raise ValueError(f"lr_rule={rule!r}: allowed values are {LR_RULES}")
-    if transfer:
-        scale /= math.sqrt(fraction)
-    return scale
+    return scale * fraction_transfer(fraction, transfer)

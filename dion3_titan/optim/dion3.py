@@ -17,7 +17,7 @@ from dion3_titan.dist.layout import describe, to_local, zeros_like_param
 from dion3_titan.dist.plan import ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim import engine
-from dion3_titan.optim.config import Dion3Config
+from dion3_titan.optim.config import Dion3Config, fraction_transfer
 from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
 from dion3_titan.optim.orthogonalize import NSSettings, is_transposed_batch, normalize_batch, orthogonalize
@@ -450,12 +450,15 @@ class Dion3(torch.optim.Optimizer):
                 self._add_update_sumsq(m.name, (lr * m.lr_scale) * applied, m.layout)
 
     def _step_factors(self, gi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(lr, weight-decay factor 1 - lr wd, momentum decay mu) of matrix group ``gi`` for this
-        step, live device scalars; on a step with a non-finite gradient lr is 0 and both
-        factors are exactly 1, so the update leaves weights and momentum as they are."""
+        """(lr, weight-decay factor 1 - lr' wd, momentum decay mu) of matrix group ``gi`` for this
+        step, live device scalars (lr' is the transferred lr, ``fraction_transfer``); on a step
+        with a non-finite gradient lr is 0 and both factors are exactly 1, so the update leaves
+        weights and momentum as they are."""
+        group = self.param_groups[gi]
         lr, wd = self._hyper[gi].unbind()
         lr = self.nonfinite.scale(lr)
-        return lr, 1.0 - lr * wd, self.nonfinite.factor(self.param_groups[gi]["momentum"])
+        transfer = fraction_transfer(group["fraction"], group["fraction_lr_transfer"])
+        return lr, 1.0 - (lr * transfer) * wd, self.nonfinite.factor(group["momentum"])
 
     def _device(self) -> torch.device:
         return next((to_local(p).device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
