@@ -469,7 +469,9 @@ def train_one(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     opt = make_optimizer(spec, model, args, fused=device.type == "cuda")
-    base_lrs = [g["lr"] for g in opt.param_groups]
+    # floats: microsoft/dion keeps each group's lr in a persistent device tensor and copies
+    # whatever is assigned into it, so holding that tensor here would compound the schedule
+    base_lrs = [float(g["lr"]) for g in opt.param_groups]
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")  # noqa: E731
     fb_timer, opt_timer = Timer(device.type == "cuda"), Timer(device.type == "cuda")
     result: dict = {"spec": asdict(spec), "status": "ok", "val": [], "train": [], "host_opt_ms": []}
