@@ -21,14 +21,20 @@ SHAPES = [(16, 48), (16, 48), (40, 12), (24, 24), (3, 16, 48), (2, 32, 8)]
 NAMES = ["wide", "wide2", "tall", "square", "stack", "stack_tall"]
 
 
+def _randn(shape, g: torch.Generator) -> torch.Tensor:
+    """Drawn on the CPU (the same numbers everywhere), placed on the default device (the GPU
+    copy of the engine checks sets it to CUDA)."""
+    return torch.randn(*shape, generator=g, device="cpu").to(torch.get_default_device())
+
+
 def make_params(seed: int, dtype=torch.float32, shapes=SHAPES) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(*s, generator=g) * 0.5).to(dtype)) for s in shapes]
+    return [torch.nn.Parameter((_randn(s, g) * 0.5).to(dtype)) for s in shapes]
 
 
 def random_grads(step: int, shapes=SHAPES, seed: int = 100) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + step)
-    return [torch.randn(*s, generator=g) for s in shapes]
+    return [_randn(s, g) for s in shapes]
 
 
 def oriented(t: torch.Tensor) -> torch.Tensor:
