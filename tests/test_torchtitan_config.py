@@ -329,3 +329,16 @@ def test_cuda_graph_default_names_why_it_stays_off_here() -> None:
         holder = SimpleNamespace(optimizers=[Dion3([p], lr=0.02, selection=selection)])
         why = Dion3OptimizersContainer._graph_blocker(holder, SimpleNamespace(name=name))
         assert why and words in why, (name, selection, why)
+
+
+def test_titan03_start_names_the_torch_it_needs(monkeypatch) -> None:
+    """torchtitan 0.3 on a torch without DataParallelMeshDims stops with one line, not an
+    ImportError from inside torchtitan."""
+    import torch.distributed.fsdp as fsdp
+
+    from dion3_titan.titan03.train import _require_torch_for_titan03
+
+    _require_torch_for_titan03()  # this torch has it: nothing happens
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+    with pytest.raises(SystemExit, match=r"torchtitan 0.3 needs a torch with .*DataParallelMeshDims.*torchtitan 0.2.2"):
+        _require_torch_for_titan03()

@@ -16,7 +16,20 @@ def _torch_set_timeout() -> None:
         dist.set_timeout = distributed_c10d._set_pg_timeout
 
 
+def _require_torch_for_titan03() -> None:
+    """torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims`` at start-up;
+    torch 2.11 lacks it (2.13 has it). Say so in one line instead of torchtitan's ImportError."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        raise SystemExit(
+            f"torchtitan 0.3 needs a torch with torch.distributed.fsdp.DataParallelMeshDims (2.13 has it); "
+            f"this is torch {torch.__version__}: upgrade torch, or use torchtitan 0.2.2"
+        )
+
+
 def main() -> None:
+    _require_torch_for_titan03()
     if not torch.accelerator.is_available():
         from dion3_titan.titan03 import cpu_shims
 
