@@ -4,6 +4,7 @@ is a device value refreshed before each replay, the AdamW group's is baked into 
 changing it re-captures. (The replay itself: tests/gpu/test_cuda_graph.py.)"""
 
 import copy
+import math
 
 import torch
 
@@ -34,7 +35,7 @@ def _step(params, opt, step):
 def test_changed_weight_decay_applies_to_the_next_step():
     """Two runs from the same state and gradients, one with each group's weight decay raised
     before the last step: they differ by exactly the extra decay lr * dwd * W (the update is
-    the same), for the matrices and the AdamW group alike."""
+    the same), for the matrices (with their transferred lr, lr / sqrt(f)) and the AdamW group."""
     a = _params()
     opt_a = _optimizer(a)
     for step in range(3):
@@ -47,9 +48,9 @@ def test_changed_weight_decay_applies_to_the_next_step():
         group["weight_decay"] = wd
     _step(a, opt_a, 3)
     _step(b, opt_b, 3)
-    lr = 0.05
     for i, (pa, pb, w) in enumerate(zip(a, b, before)):
-        dwd = 0.3 if i < len(a) - 1 else 0.2
+        matrix = i < len(a) - 1
+        dwd, lr = (0.3, 0.05 / math.sqrt(0.5)) if matrix else (0.2, 0.05)
         expected = -lr * dwd * w
         assert (pa - pb).abs().max() > 1e-4  # the change did something
         # equal up to the rounding of the float32 weights (the update is the same bits)
