@@ -18,9 +18,8 @@ def _bits(t):
     return t.to_local().detach().reshape(-1).clone().view(torch.uint8)
 
 
-def _worker(rank, world, mode, path, out_path):
+def _build(mode):
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
 
     from dion3_titan import Dion3
 
@@ -34,9 +33,16 @@ def _worker(rank, world, mode, path, out_path):
                  {"params": [p for _, p in vecs], "names": [n for n, _ in vecs], "algorithm": "adamw"}],
                 lr=0.05, fraction=0.25, flavor="normuon", weight_decay=0.1, ns_dtype="float32",
                 nonfinite=mode, backend="torch")
+    return params, opt, len(mats), len(vecs)
+
+
+def _worker(rank, world, mode, path, out_path):
+    from torch.distributed.tensor import distribute_tensor
+
+    params, opt, n_mats, n_vecs = _build(mode)
     shapes = [tuple(p.shape) for p in params]
 
-    def step():
+    def step(opt):
         if path == "eager":
             opt.step()
         else:  # what GraphedOptimizer does around a replay
@@ -45,35 +51,46 @@ def _worker(rank, world, mode, path, out_path):
             opt.step_body(sync_check=False)
             opt.nonfinite.issued()
 
-    def set_grads(step, poison=False):
+    def set_grads(params, step, poison=False):
         for i, (p, g) in enumerate(zip(params, grads_for(step, shapes))):
             p.grad = distribute_tensor(g, p.device_mesh, p.placements)
             if poison and i == 0 and rank == 1:
                 p.grad.to_local().view(-1)[0] = float("nan")
 
-    def snapshot():
+    def snapshot(params, opt):
+        """Every parameter, then every state tensor of every parameter (local shards, bits)."""
         return [_bits(p) for p in params] + [_bits(v) if hasattr(v, "to_local") else v.clone()
                                              for p in params for v in opt.state[p].values()]
 
     for s in range(2):
-        set_grads(s)
-        step()
-    before = snapshot()
-    assert len(before) == len(params) + 2 * len(mats) + 3 * len(vecs)  # momentum, variance; AdamW's three
-    set_grads(2, poison=True)
+        set_grads(params, s)
+        step(opt)
+    before = snapshot(params, opt)
+    assert len(before) == len(params) + 2 * n_mats + 3 * n_vecs  # momentum, variance; AdamW's three
+    set_grads(params, 2, poison=True)
     messages, same = [], None
     for s in (2, 3):  # the bad step, then a good one (where a deferred flag is read)
         try:
-            step()
+            step(opt)
         except FloatingPointError as exc:
             messages.append((s, str(exc)))
             break
         if s == 2:
-            same = all(torch.equal(a, b) for a, b in zip(before, snapshot()))
-        set_grads(3)
-    same_after = all(torch.equal(a, b) for a, b in zip(before, snapshot()))
-    torch.save({"messages": messages, "same": same, "same_after": same_after, "skipped": opt.skipped_steps},
-               f"{out_path}.{rank}")
+            same = [torch.equal(a, b) for a, b in zip(before, snapshot(params, opt))]
+        set_grads(params, 3)
+    after = snapshot(params, opt)
+    same_after = [torch.equal(a, b) for a, b in zip(before, after)]
+    as_if_never = None
+    if mode == "skip":  # a run that never took the bad step: steps 0, 1, 3
+        ref_params, ref_opt, _, _ = _build(mode)
+        for s in (0, 1, 3):
+            set_grads(ref_params, s)
+            step(ref_opt)
+        if path == "deferred":
+            ref_opt.nonfinite.resolve()
+        as_if_never = [torch.equal(a, b) for a, b in zip(after, snapshot(ref_params, ref_opt))]
+    torch.save({"messages": messages, "same": same, "same_after": same_after, "skipped": opt.skipped_steps,
+                "as_if_never": as_if_never}, f"{out_path}.{rank}")
 
 
 @pytest.mark.parametrize("path", ["eager", "deferred"])
@@ -88,8 +105,15 @@ def test_nan_gradient_on_one_rank(tmp_path, mode, path):
             assert [s for s, _ in r["messages"]] == [2 if path == "eager" else 3], r["messages"]
             message = r["messages"][0][1]
             assert "a0" in message and "rank 1" in message, message
-            assert r["same_after"], "parameters or state changed by a non-finite step"
+            changed = [i for i, same in enumerate(r["same_after"]) if not same]
+            assert not changed, f"parameters or state tensors {changed} changed by a non-finite step"
         else:
             assert r["messages"] == [] and r["skipped"] == 1
-            assert r["same"], "parameters or state changed on a non-finite step"
-            assert not r["same_after"], "the next finite step did not train"
+            changed = [i for i, same in enumerate(r["same"]) if not same]
+            assert not changed, f"parameters or state tensors {changed} changed on a non-finite step"
+            # the next finite step trains every parameter (each rank holds rows of each one) ...
+            n_params = len(WITH_VECTOR)
+            assert not any(r["same_after"][:n_params]), r["same_after"][:n_params]
+            # ... and every parameter and state tensor is what a run without the bad step holds
+            differ = [i for i, same in enumerate(r["as_if_never"]) if not same]
+            assert not differ, f"parameters or state tensors {differ} differ from a run without the bad step"

@@ -8,7 +8,7 @@ import torch
 
 from dion3_titan import Dion3
 from dion3_titan.optim.prmuon import PeriodicRowwiseMuon
-from tests.test_dion3_core import NAMES, SHAPES, _randn, make_params, random_grads
+from tests.test_dion3_core import NAMES, SHAPES, _randn, make_params, oriented, random_grads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -162,3 +162,107 @@ def test_prmuon_skip_on_refresh_and_rownorm_steps(bad_step):
     _run(ref, bad_step + 3, "eager", bad_step=bad_step)
     assert opt.skipped_steps == 1
     _assert_same(_snapshot(ref), _snapshot(opt))
+
+
+# ------------------------------------------------------------------------------ non-finite NS results
+class CorruptOneGram:
+    """The torch backend, except that the first ``times`` Gram products X X^T of side ``side``
+    get an inf in matrix ``which`` of the batch (the only one, in a retry of one matrix)."""
+
+    def __init__(self, side: int, which: int, times: int) -> None:
+        from dion3_titan.kernels.torch_ops import TorchOps
+
+        self.ops, self.side, self.which, self.times = TorchOps(), side, which, times
+        self.name = "corrupt"
+
+    def sym_mm(self, a, b):
+        r = self.ops.sym_mm(a, b)
+        if self.times > 0 and r.shape[-1] == self.side:
+            self.times -= 1
+            r = r.clone()
+            r[min(self.which, r.shape[0] - 1), 0, 0] = float("inf")
+        return r
+
+    def __getattr__(self, name):  # every other op: the torch backend's
+        return getattr(self.ops, name)
+
+
+# The (16, 48) group at f = 1 (wide, wide2 and the 3 matrices of stack, one batch) is the only
+# one whose Gram side is 16.
+WIDE_SIDE, CORRUPTED = 16, 1
+
+
+def _run_with_backend(monkeypatch, backend, path, steps=3):
+    """Dion3 (f = 1, Gram NS in float32) whose every shape group orthogonalizes on ``backend``."""
+    import dion3_titan.optim.dion3 as dion3_module
+
+    if backend is not None:
+        monkeypatch.setattr(dion3_module, "select_backend", lambda *args: backend)
+    opt = _build(Dion3, "raise", fraction=1.0, ns_algorithm="gram")
+    _run(opt, steps, path, bad_step=-1)
+    monkeypatch.undo()
+    return opt
+
+
+@pytest.mark.parametrize("times", [1, 10**6], ids=["retry", "fallback"])
+def test_optimizer_recomputes_a_nonfinite_ns_result(monkeypatch, times):
+    """An eager step whose Newton-Schulz result holds an inf recomputes that matrix (restart
+    every iteration; if that fails too, float32 standard NS on the torch backend) and counts it:
+    every parameter and state tensor ends finite and equal to a clean run's, to rounding."""
+    clean = _snapshot(_run_with_backend(monkeypatch, None, "eager"))
+    opt = _run_with_backend(monkeypatch, CorruptOneGram(WIDE_SIDE, CORRUPTED, times), "eager")
+    assert opt.nonfinite_ns_events == (1 if times == 1 else 3)  # once per step while it lasts
+    got = _snapshot(opt)
+    for key, want in clean.items():
+        a, b = got[key].view(torch.float32), want.view(torch.float32)
+        assert torch.isfinite(a).all(), key
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-5, msg=key)
+    assert opt.nonfinite.skipped_steps == 0
+
+
+def test_captured_step_drops_a_nonfinite_ns_result(monkeypatch):
+    """Without a host sync (the captured step body) the non-finite matrix is not recomputed but
+    zeroed: that matrix only decays, every other one moves exactly as in a clean run."""
+    clean = _run_with_backend(monkeypatch, None, "deferred", steps=1)
+    opt = _run_with_backend(monkeypatch, CorruptOneGram(WIDE_SIDE, CORRUPTED, 1), "deferred", steps=1)
+    assert opt.nonfinite_ns_events == 1
+    start = {n: p for n, p in zip(NAMES, make_params(7))}
+    decay = 1 - 0.02 * 0.1  # lr' wd at f = 1
+    moved = []
+    for name, p, q in zip(NAMES, opt.param_groups[0]["params"], clean.param_groups[0]["params"]):
+        assert torch.isfinite(p).all(), name
+        same = [torch.equal(a, b) for a, b in zip(oriented(p.detach()), oriented(q.detach()))]
+        decayed = [torch.allclose(a, b * decay, rtol=1e-6, atol=0)
+                   for a, b in zip(oriented(p.detach()), oriented(start[name].detach()))]
+        moved += [(name, i) for i, (s, d) in enumerate(zip(same, decayed)) if not s]
+        assert all(s or d for s, d in zip(same, decayed)), name
+    assert len(moved) == 1, moved  # exactly the corrupted matrix differs from the clean run
+
+
+class CountGrams:
+    """The torch backend, counting Gram products X X^T (Gram NS forms one per start and restart)."""
+
+    def __init__(self) -> None:
+        from dion3_titan.kernels.torch_ops import TorchOps
+
+        self.ops, self.grams, self.name = TorchOps(), 0, "count"
+
+    def sym_mm(self, a, b):
+        self.grams += 1
+        return self.ops.sym_mm(a, b)
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+
+@pytest.mark.parametrize("restarts", [(), (2,), (1, 3), (1, 2, 3, 4)], ids=str)
+def test_ns_restarts_reach_newton_schulz(monkeypatch, restarts):
+    """``ns_restarts`` is what the optimizer's Gram NS restarts at: each shape group forms its
+    Gram matrix once plus once per restart, in every step."""
+    import dion3_titan.optim.dion3 as dion3_module
+
+    ops = CountGrams()
+    monkeypatch.setattr(dion3_module, "select_backend", lambda *args: ops)
+    opt = _build(Dion3, "raise", fraction=0.5, ns_algorithm="gram", ns_restarts=restarts)
+    _run(opt, 2, "eager", bad_step=-1)
+    assert ops.grams == 2 * len(opt._groups) * (1 + len(restarts)), (ops.grams, len(opt._groups))

@@ -237,18 +237,24 @@ def test_per_head_plan_and_reference():
     assert all(m.lr_scale == pytest.approx(math.sqrt(dh / d)) for m in members)
     ref = TextbookDion3([(dh, d)] * H, lr=0.05, fraction=1.0, flavor="muon")
     blocks = list(w0.clone().split(dh))
-    for step in range(3):
-        grad = torch.randn(H * dh, d, generator=g)
+    grads = [torch.randn(H * dh, d, generator=g) for _ in range(3)]
+    for grad in grads:
         p.grad = grad.clone()
         opt.step()
         ref.step(blocks, list(grad.split(dh)))
     assert torch.allclose(p.detach(), torch.cat(blocks), atol=1e-5)
-    # the whole-matrix update differs: the heads really are separate matrices
+    # without the split the same steps orthogonalize the whole matrix (its own textbook update),
+    # and that update is another one: the heads really are separate matrices
     whole = nn.Parameter(w0.clone())
     o2 = Dion3([whole], lr=0.05, ns_dtype="float32", backend="torch")
-    whole.grad = p.grad.clone()
-    o2.step()
+    ref_whole, w_whole = TextbookDion3([(H * dh, d)], lr=0.05, fraction=1.0, flavor="muon"), [w0.clone()]
+    for grad in grads:
+        whole.grad = grad.clone()
+        o2.step()
+        ref_whole.step(w_whole, [grad])
     assert len([m for sg in o2._groups for m in sg.members]) == 1
+    assert torch.allclose(whole.detach(), w_whole[0], atol=1e-5)
+    assert (whole.detach() - p.detach()).abs().max() > 1e-2
 
 
 def test_heads_compose_with_sizes_and_interleave():

@@ -55,7 +55,8 @@ def test_deepseek_v3_moe_dion3_trains_experts_as_matrix_batches(tmp_path: Path) 
     run = run_titan(DEEPSEEK, tmp_path, "--training.steps", "3")
     assert run.returncode == 0, run.output[-4000:]
     losses = run.losses()
-    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses
+    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[2] < losses[1], losses
+    assert losses[3] < losses[1] - 0.2, losses  # 8.14 -> 7.88
     record = run.records[0]
     # torchtitan's MoE expert-bias hook, registered by its own builder around our container
     assert record["optimizers"]["pre_hooks"] >= 1
@@ -83,7 +84,8 @@ def test_muon_normuon_prmuon_names(tmp_path: Path, name: str, flavor: str, optim
     g = _groups(run.records[0])
     assert g["dion3"]["fraction"] == 1.0 and g["dion3"]["flavor"] == flavor
     losses = run.losses()
-    assert losses[3] < losses[1], losses
+    # 8.14 -> 7.96 (prmuon 7.97); with the matrices' updates dropped, 8.01 (only AdamW's groups train)
+    assert losses[3] < losses[2] < losses[1] and losses[3] < losses[1] - 0.15, losses
 
 
 def test_adamw_is_untouched(tmp_path: Path) -> None:
@@ -96,7 +98,7 @@ def test_adamw_is_untouched(tmp_path: Path) -> None:
     assert part["class"] == "AdamW" and len(part["groups"]) == 1
     assert "[dion3] optimizer" not in run.output
     losses = run.losses()
-    assert losses[3] < losses[1], losses
+    assert losses[3] < losses[2] < losses[1] and losses[3] < losses[1] - 0.5, losses  # 8.14 -> 7.48
 
 
 def test_gpt_oss_trains_with_mlp1_split_into_gate_and_up(tmp_path: Path) -> None:
@@ -107,7 +109,7 @@ def test_gpt_oss_trains_with_mlp1_split_into_gate_and_up(tmp_path: Path) -> None
     run = run_titan(GPT_OSS, tmp_path, "--training.steps", "4", "--training.seq_len", "64")
     assert run.returncode == 0, run.output[-4000:]
     losses = run.losses()
-    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], losses
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1] - 0.4, losses  # 12.86 -> 12.22
     for record in run.records:
         plan = record["optimizers"]["plan"]
         mlp1 = [m for m in plan if re.fullmatch(r"layers\.\d+\.moe\.experts\.mlp1_weight\[\d\]", m["name"])]

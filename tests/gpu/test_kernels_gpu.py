@@ -176,3 +176,38 @@ def test_cute_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool,
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert torch.equal(out, out.mT), "result is not exactly symmetric"
     assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6
+
+
+@pytest.mark.parametrize("shape", [(4, 512, 1536), (2, 1536, 512)], ids=["wide", "tall"])
+def test_auto_picks_triton_for_gram_ns_in_the_optimizer(shape, seed: int, monkeypatch) -> None:
+    """From a Gram side of 512 on, backend = "auto" orthogonalizes fp16 batches in Triton: one
+    Dion3 step with "auto" runs its Gram NS on the Triton backend and moves the weights as the
+    torch backend does, to fp16 rounding."""
+    import dion3_titan.optim.dion3 as dion3_module
+    from dion3_titan import Dion3
+    from dion3_titan.kernels import select_backend
+
+    chosen: list[str] = []
+
+    def spy(*args):
+        backend = select_backend(*args)
+        chosen.append(backend.name)
+        return backend
+
+    gen = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(*shape, generator=gen).cuda()
+    grads = [torch.randn(*shape, generator=gen).cuda() for _ in range(2)]
+    moved = {}
+    for backend in ("auto", "torch"):
+        if backend == "auto":
+            monkeypatch.setattr(dion3_module, "select_backend", spy)
+        w = torch.nn.Parameter(w0.clone())
+        opt = Dion3([w], lr=0.02, fraction=1.0, ns_dtype="float16", ns_algorithm="gram", backend=backend,
+                    weight_decay=0.0)
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        monkeypatch.undo()
+        moved[backend] = (w.detach() - w0).double()
+    assert chosen and set(chosen) == {"triton"}, chosen
+    assert _rel_err(moved["auto"], moved["torch"]) < 1e-2
