@@ -14,10 +14,10 @@ from torch.optim.adamw import adamw
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
 from dion3_titan.dist.layout import describe, to_local, zeros_like_param
-from dion3_titan.dist.plan import ShapeGroup, build_groups
+from dion3_titan.dist.plan import PlanEntry, PlanSettings, ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim import engine
-from dion3_titan.optim.config import Dion3Config, fraction_transfer
+from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
 from dion3_titan.optim.orthogonalize import NSSettings, is_transposed_batch, normalize_batch, orthogonalize
@@ -62,6 +62,19 @@ def _join(views: list[torch.Tensor]) -> torch.Tensor:
     if is_transposed_batch(views):
         return torch.cat([v.mT for v in views]).mT
     return torch.cat(views)
+
+
+def plan_settings(cfg: Dion3Config) -> PlanSettings:
+    """What the megabatch plan reads of a matrix group's settings."""
+    return PlanSettings(
+        fraction=cfg.fraction,
+        selection_scope=cfg.selection_scope,
+        megabatch=cfg.megabatch,
+        row_data=FLAVORS[cfg.flavor].row_data,
+        ns_algorithm=cfg.ns_algorithm,
+        ns_steps=cfg.ns_steps,
+        ns_restarts=cfg.ns_restarts,
+    )
 
 
 class Dion3(torch.optim.Optimizer):
@@ -109,20 +122,22 @@ class Dion3(torch.optim.Optimizer):
 
     def _build_plan(self) -> None:
         entries = []
-        hyper = []
         for gi, group in enumerate(self.param_groups):
             cfg = self._configs[gi]
-            hyper.append(cfg.as_dict() if cfg else {})
             if cfg is None:
                 continue
             for p, name in zip(group["params"], self._names(group)):
                 pieces = split_pieces(name, tuple(p.shape), cfg)  # fused weights (optim/split.py)
-                if pieces is None:
-                    entries.append((gi, p, name, describe(p, cfg.selection_dim)))
-                else:
-                    entries.extend((gi, p, name, describe(p, cfg.selection_dim, pc, name), i) for i, pc in enumerate(pieces))
+                layouts = [describe(p, cfg.selection_dim)] if pieces is None else [
+                    describe(p, cfg.selection_dim, pc, name) for pc in pieces
+                ]
+                for i, layout in enumerate(layouts):
+                    scale = lr_scale(layout.d_out, layout.d_in, cfg.lr_rule, cfg.fraction, cfg.fraction_lr_transfer)
+                    entries.append(PlanEntry(gi, p, name, layout, scale, None if pieces is None else i))
         self.comm_stats = CommStats()
-        self._groups: list[ShapeGroup] = build_groups(entries, hyper, self.comm_stats)
+        self._groups: list[ShapeGroup] = build_groups(
+            entries, [plan_settings(cfg) if cfg else None for cfg in self._configs], self.comm_stats
+        )
         self._ns: list[NSSettings | None] = [
             NSSettings(cfg.ns_algorithm, cfg.coefficients(), cfg.ns_restarts, cfg.compute_dtype, cfg.ns_eps)
             if cfg
