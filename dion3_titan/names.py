@@ -12,6 +12,7 @@ from typing import Any
 
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.dion3 import Dion3
+from dion3_titan.optim.prmuon import FIXED as PRMUON_FIXED
 from dion3_titan.optim.prmuon import PeriodicRowwiseMuon, PRMuonConfig
 
 
@@ -33,9 +34,7 @@ NAMES: dict[str, Engine] = {
     "dion3": Engine(Dion3),
     "muon": Engine(Dion3, fixed={"fraction": 1.0, "flavor": "muon"}),
     "normuon": Engine(Dion3, fixed={"fraction": 1.0, "flavor": "normuon"}),
-    "prmuon": Engine(
-        PeriodicRowwiseMuon, fixed={"fraction": 1.0, "flavor": "muon"}, own_keys=PRMUON_KEYS
-    ),
+    "prmuon": Engine(PeriodicRowwiseMuon, fixed=PRMUON_FIXED, own_keys=PRMUON_KEYS),
 }
 
 
