@@ -93,7 +93,7 @@ def wrap_metrics_builder(original: Callable | None) -> Callable:
             ours: dict[str, float] = {}
             for container in list(_LIVE):
                 ours.update(container.collect_metrics())
-                container._step = step  # stays aligned after a resume
+                container.align_step(step)
             if ours:  # the console line; TensorBoard/W&B get them through extra_metrics
                 logger.info(f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/'):]}={v:.4g}" for k, v in ours.items()))
             return log(step, *a, extra_metrics={**extra, **ours}, **k)
@@ -183,6 +183,10 @@ class Dion3OptimizersContainer(OptimizersContainer):
                 self._metrics[i].step(measure)
             else:
                 runner.step(*args, **kwargs)
+
+    def align_step(self, step: int) -> None:
+        """The trainer's step, so that the logging steps stay aligned with it after a resume."""
+        self._step = step
 
     def collect_metrics(self) -> dict[str, float]:
         """Metrics of the last measured step, summed (comm, time) or averaged over model parts."""

@@ -274,8 +274,8 @@ def dion3_rank_flops(opt: Dion3) -> float:
     from dion3_titan.kernels.dispatch import select_backend
 
     total = 0.0
-    for sg in opt._groups:
-        cfg = opt._configs[sg.group_index]
+    for sg in opt.shape_groups:
+        cfg = opt.configs[sg.group_index]
         ex = sg.exchange
         if isinstance(ex, ShardedExchange):
             count, rows, cols = ex.n_own, ex.n_rb * ex.k, ex.n_cb * ex.cols

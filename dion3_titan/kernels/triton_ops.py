@@ -19,23 +19,19 @@ check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
 # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)
 SYM_CONFIG: tuple[int, int, int, int, int] = (128, 64, 8, 8, 3)
 _SUPPORTED = (torch.float16, torch.bfloat16)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -71,7 +67,7 @@ def _lower_tile(t, num_tiles_side, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 -> dtype, round to nearest even.
 
     Triton's CPU interpreter (3.9) rounds float32 -> bfloat16 wrongly (no carry into the
@@ -145,7 +141,7 @@ def _sym_gemm_kernel(
     else:
         acc = alpha * acc
 
-    res = _round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
+    res = round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
     out_base = out_ptr + batch * s_ob
     if ti == tj:  # the lower triangle and its mirror: exactly symmetric by construction
         res = tl.where(rows[:, None] >= cols[None, :], res, tl.trans(res))
@@ -199,7 +195,7 @@ def _sym_gemm_tma_kernel(
             acc = alpha * acc + beta * c
         else:
             acc = alpha * acc
-        res = _round_to(acc, out_desc.dtype, INTERPRET)
+        res = round_to(acc, out_desc.dtype, INTERPRET)
         if ti == tj:  # see _sym_gemm_kernel
             r = tl.arange(0, BLOCK)
             res = tl.where(r[:, None] >= r[None, :], res, tl.trans(res))
@@ -258,7 +254,7 @@ def _fused_update_kernel(
     decayed = w * decay
     step = lr * u
     new = tl.where(selected[:, None], decayed - step, decayed)
-    tl.store(w_ptrs, _round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(w_ptrs, round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 def _check_sym_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
@@ -334,7 +330,7 @@ def sym_gemm(
         BLOCK=block,
         BLOCK_K=block_k,
         GROUP=group,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -416,7 +412,7 @@ def sym_gemm_tma(
         TensorDescriptor.from_tensor(a2, a_block), TensorDescriptor.from_tensor(b2, b_block), c_desc, out_desc,
         n, k, L, float(alpha), float(beta),
         A_T=a_t, B_T=b_t, HAS_C=has_c, BLOCK=block, BLOCK_K=block_k, GROUP=group,
-        NUM_SMS=sms, INTERPRET=_interpreting(),
+        NUM_SMS=sms, INTERPRET=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -448,7 +444,7 @@ def fused_update(
         *weight.stride(), *update.stride(), *slot.stride(),
         BLOCK_R=block_r,
         BLOCK_C=block_c,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         num_warps=4,
         enable_fp_fusion=False,
     )
@@ -488,6 +484,6 @@ class TritonOps(TorchOps):
         since a float32 tensor-core product would silently drop to tf32 precision."""
         return (
             a.dtype in _SUPPORTED
-            and (a.is_cuda or _interpreting())
+            and (a.is_cuda or interpreting())
             and _offsets_fit(a.shape[-2], a.shape[-1])
         )

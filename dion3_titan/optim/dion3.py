@@ -14,7 +14,7 @@ from torch.optim.adamw import adamw
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
 from dion3_titan.dist.layout import describe, to_local, zeros_like_param
-from dion3_titan.dist.plan import PlanEntry, PlanSettings, ShapeGroup, build_groups
+from dion3_titan.dist.plan import Member, PlanEntry, PlanSettings, ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim import engine
 from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
@@ -178,6 +178,16 @@ class Dion3(torch.optim.Optimizer):
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     @property
+    def shape_groups(self) -> tuple[ShapeGroup, ...]:
+        """The megabatch plan (dist/plan.py): every shape group of the matrix param groups."""
+        return tuple(self._groups)
+
+    @property
+    def configs(self) -> tuple[Dion3Config | None, ...]:
+        """Each param group's validated settings (None for an AdamW group)."""
+        return tuple(self._configs)
+
+    @property
     def state_version(self) -> int:
         """Bumped whenever state tensors or param groups are replaced (a captured step must
         then be captured again)."""
@@ -313,15 +323,20 @@ class Dion3(torch.optim.Optimizer):
                 lambda p: None if p.grad is None else to_local(p.grad),
                 self.nonfinite,
             )
-        seen, moms, grads = set(fused), [], []
-        for sg in groups:
-            for m in sg.members:
-                if m.param.grad is not None and id(m.param) not in seen:
-                    seen.add(id(m.param))
-                    moms.append(to_local(self.state[m.param]["momentum"]))
-                    grads.append(to_local(m.param.grad))
-        self.nonfinite.accumulate(moms, grads)
+        self._add_gradients([m for sg in groups for m in sg.members], done=set(fused))
         return scores
+
+    def _add_gradients(self, members: list[Member], done: set[int] = frozenset()) -> None:
+        """M <- M + G (gated by the gradients' ``ok`` flag) for the parameter of each member that
+        has a gradient, once per parameter (a split parameter has several members); parameters
+        whose id is in ``done`` were accumulated by the row engine."""
+        seen, moms, grads = set(done), [], []
+        for m in members:
+            if m.param.grad is not None and id(m.param) not in seen:
+                seen.add(id(m.param))
+                moms.append(to_local(self.state[m.param]["momentum"]))
+                grads.append(to_local(m.param.grad))
+        self.nonfinite.accumulate(moms, grads)
 
     def _fused(self, sg: ShapeGroup) -> bool:
         """Whether the row engine runs this group's memory-bound passes."""
