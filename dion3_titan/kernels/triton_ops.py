@@ -10,7 +10,8 @@ product and leaves the bytes written unchanged.
 
 Fused update. One pass over the weight: every row is scaled by ``decay``; rows listed in ``rows``
 also get ``- lr * update``; float32 math and one rounding to the weight's dtype, exactly as
-``torch_ops._fused_update_reference`` computes it (same operations, same order, no FMA).
+``torch_ops._fused_update_reference`` computes it (same operations, same order, no FMA). The
+kernel is the row engine's (row_engine.update_rows, without momentum).
 
 Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (that is how the CPU tests
 check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
@@ -221,42 +222,6 @@ def tile_order(side: int, group: int, device: torch.device | str = "cpu") -> tor
     return out
 
 
-@triton.jit
-def _fused_update_kernel(
-    w_ptr, u_ptr, slot_ptr, lr_ptr, decay_ptr,
-    num_rows, num_cols,
-    s_wb, s_wr, s_wc,
-    s_ub, s_uk, s_uc,
-    s_sb, s_sr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    batch = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_ok = rows < num_rows
-    mask = row_ok[:, None] & (cols[None, :] < num_cols)
-    # slot[b, r]: position of row r in ``rows[b]``, or -1 if r is not selected
-    slot = tl.load(slot_ptr + batch * s_sb + rows * s_sr, mask=row_ok, other=-1)
-    selected = slot >= 0
-    lr = tl.load(lr_ptr)
-    decay = tl.load(decay_ptr)
-
-    w_ptrs = w_ptr + batch * s_wb + rows[:, None].to(tl.int64) * s_wr + cols[None, :] * s_wc
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u_ptrs = (
-        u_ptr + batch * s_ub + tl.maximum(slot, 0)[:, None].to(tl.int64) * s_uk + cols[None, :] * s_uc
-    )
-    u = tl.load(u_ptrs, mask=mask & selected[:, None], other=0.0).to(tl.float32)
-    # Same three roundings as the reference: (w * decay) - (lr * u). The launch passes
-    # enable_fp_fusion=False so the compiler cannot contract these into an FMA.
-    decayed = w * decay
-    step = lr * u
-    new = tl.where(selected[:, None], decayed - step, decayed)
-    tl.store(w_ptrs, round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
-
-
 def _check_sym_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
     if a.dim() != 3 or b.dim() != 3:
         raise ValueError(f"sym_mm expects batched (L, n, k) @ (L, k, n); got {tuple(a.shape)} @ {tuple(b.shape)}")
@@ -337,11 +302,10 @@ def sym_gemm(
     return out
 
 
-# Persistent TMA form, same fields as SYM_CONFIG; None turns it off. Measured on an H200 at
-# 4 x 8192^2: 3.65 ms against 4.39 ms for the per-tile kernel (4 stages; 3 stages 4.38 ms).
+# Persistent TMA form, same fields as SYM_CONFIG (the fastest config tried); None turns it off.
 TMA_CONFIG: tuple[int, int, int, int, int] | None = (128, 64, 8, 8, 4)
-# The persistent kernel pays off once every SM has several tiles to walk (4 x 2048^2, 544
-# tiles on 132 SMs, ran 0.12 ms against 0.08 ms for the per-tile kernel; 32 x 2048^2 won).
+# The persistent kernel pays off only once every SM has several tiles to walk; below that the
+# per-tile kernel is faster. Measurements of both: docs/benchmarks.md, "Symmetric GEMM vs cuBLAS".
 TMA_MIN_TILES_PER_SM = 8
 _TMA_BROKEN: list[str] = []  # set when this Triton cannot compile the TMA kernel
 
@@ -424,30 +388,16 @@ def fused_update(
     rows: torch.Tensor,
     lr: torch.Tensor,
     decay: torch.Tensor,
-    block_r: int = 8,
-    block_c: int = 256,
 ) -> None:
-    """See ``Backend.fused_update``. No host sync: lr/decay are read on the device."""
+    """See ``Backend.fused_update``: the row engine's update kernel without momentum (one
+    kernel owns the update's arithmetic). No host sync: lr/decay are read on the device."""
+    from dion3_titan.kernels.row_engine import row_slots, update_rows  # it imports this module
+
     B, R, C = weight.shape
     k = rows.shape[1]
     if update.shape != (B, k, C):
         raise ValueError(f"fused_update expects update of shape {(B, k, C)}; got {tuple(update.shape)}")
-    # Row -> slot map (-1 = not selected), built with device ops so it is graph-capturable.
-    slot = torch.full((B, R), -1, dtype=torch.int32, device=weight.device)
-    if k > 0:
-        slots = torch.arange(k, dtype=torch.int32, device=weight.device).expand(B, k)
-        slot.scatter_(1, rows, slots)
-    grid = (B, triton.cdiv(R, block_r), triton.cdiv(C, block_c))
-    _fused_update_kernel[grid](
-        weight, update, slot, lr, decay,
-        R, C,
-        *weight.stride(), *update.stride(), *slot.stride(),
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        INTERPRET=interpreting(),
-        num_warps=4,
-        enable_fp_fusion=False,
-    )
+    update_rows(weight, None, update, row_slots(rows, R), lr, decay, mu=1.0)
 
 
 class TritonOps(TorchOps):
