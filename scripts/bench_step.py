@@ -57,7 +57,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from dion3_titan import Dion3  # noqa: E402
 from dion3_titan.dist.layout import to_local  # noqa: E402
-from dion3_titan.kernels.flops import gram_ns_flops, ns_flops, standard_ns_flops  # noqa: E402,F401
+from dion3_titan.kernels.flops import ns_flops  # noqa: E402
 from dion3_titan.optim.routing import build_param_groups  # noqa: E402
 
 MATRIX_LR = 0.02
