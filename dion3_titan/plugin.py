@@ -122,9 +122,8 @@ class Dion3OptimizersContainer(OptimizersContainer):
         all_params: list[nn.Parameter] = []
         for model in model_parts:
             groups = build_param_groups(model.named_parameters(), **adamw)
-            # fused weights of built-in models (gpt_oss mlp1) split into their pieces;
-            # Periodic Row-wise Muon works on whole matrices
-            part_options = options if cfg.name == "prmuon" else with_auto_split_specs(options, model)
+            # fused weights of built-in models (gpt_oss mlp1) split into their pieces
+            part_options = with_auto_split_specs(options, model) if NAMES[cfg.name].splits else options
             self.optimizers.append(optimizer_cls(groups, lr=lr, **part_options))
             all_params += [p for g in groups for p in g["params"]]
         self._validate_length(len(model_parts))

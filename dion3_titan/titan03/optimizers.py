@@ -147,7 +147,7 @@ class Dion3Optimizers(OptimizersContainer):
                 if ctor and ctor != own:
                     raise ValueError(f"optimizer_name={name!r}: every group must give the same {sorted(own)}")
                 ctor = own
-            if engine.cls is Dion3:  # Periodic Row-wise Muon works on whole matrices
+            if engine.splits:
                 opts = {**opts, "split_specs": split_specs_for(model, opts, g["param_names"])}
             groups.append({"params": g["params"], "param_names": g["param_names"], "names": g["param_names"],
                            "algorithm": "dion3", **opts})
