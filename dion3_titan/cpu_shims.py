@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 # torchtitan modules that bind `device_type` / `device_module` at import time.
-_DEVICE_BINDERS = (
+DEVICE_BINDERS = (
     "torchtitan.tools.utils",
     "torchtitan.components.metrics",
     "torchtitan.distributed.parallel_dims",
@@ -62,7 +62,7 @@ class _CpuDeviceModule:
         pass
 
 
-def _device_cpu(binders: tuple[str, ...] = _DEVICE_BINDERS) -> None:
+def device_cpu(binders: tuple[str, ...] = DEVICE_BINDERS) -> None:
     """Shims 1+2. torchtitan falls back to device type "cuda" when torch reports no
     accelerator, which fails at the first `torch.cuda` call: use "cpu" and a device module
     that has the helpers torchtitan expects."""
@@ -73,7 +73,7 @@ def _device_cpu(binders: tuple[str, ...] = _DEVICE_BINDERS) -> None:
                 setattr(mod, attr, value)
 
 
-def _fsdp_sum_reductions() -> None:
+def fsdp_sum_reductions() -> None:
     """Shim 3. torchtitan sets FSDP's gradient divide factor (to 1.0, or the data-parallel
     size), which FSDP2 implements as ReduceOp.PREMUL_SUM or AVG; gloo has neither. FSDP's own
     switch `force_sum_reduction_for_comms` reduces with SUM and scales separately (same
@@ -92,7 +92,7 @@ def _fsdp_sum_reductions() -> None:
     FSDPParamGroup.__init__ = __init__  # type: ignore[method-assign]
 
 
-def _histc_integers() -> None:
+def histc_integers() -> None:
     """Shim 4. The MoE router counts tokens per expert with `torch.histc` on int64 expert
     indices; CUDA supports integer histc, CPU raises "histogram_cpu not implemented for
     'Long'". For integer CPU inputs only (which would otherwise raise), count in float32
@@ -183,9 +183,9 @@ def apply() -> None:
     global _applied
     if _applied:
         return
-    _device_cpu()
-    _fsdp_sum_reductions()
-    _histc_integers()
+    device_cpu()
+    fsdp_sum_reductions()
+    histc_integers()
     _moe_permute_indices_cpu()
     _flex_attention_dense()
     _applied = True

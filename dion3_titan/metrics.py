@@ -67,7 +67,7 @@ class OptimizerMetrics:
         d.measure_updates = False
         calls, nbytes = d.comm_stats.calls, d.comm_stats.bytes
         captured = getattr(opt, "captured_comm", None)
-        if captured is not None and getattr(opt, "_graph", None) is not None:
+        if captured is not None and getattr(opt, "graph", None) is not None:
             calls, nbytes = captured  # a replayed graph runs no Python: the captured step's
         self._pending = {
             "events": (start, end) if cuda else None,
@@ -80,7 +80,7 @@ class OptimizerMetrics:
 
     def _adamw_params(self) -> list[torch.Tensor]:
         d = self.dion3
-        return [to_local(p).detach() for g, c in zip(d.param_groups, d._configs) if c is None for p in g["params"]]
+        return [to_local(p).detach() for g, c in zip(d.param_groups, d.configs) if c is None for p in g["params"]]
 
     def _adamw_snapshot(self) -> list[torch.Tensor]:
         # AdamW parameters (embeddings, head, norms) are copied on logging steps only.

@@ -12,17 +12,20 @@ from typing import Any
 
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.dion3 import Dion3
+from dion3_titan.optim.prmuon import FIXED as PRMUON_FIXED
 from dion3_titan.optim.prmuon import PeriodicRowwiseMuon, PRMuonConfig
 
 
 @dataclass(frozen=True)
 class Engine:
     """What one optimizer name builds: the optimizer class, the settings the name fixes,
-    and the keys only this optimizer accepts."""
+    the keys only this optimizer accepts, and whether it orthogonalizes the pieces of fused
+    weights separately (optim/split.py; Periodic Row-wise Muon works on whole matrices)."""
 
     cls: type
     fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
     own_keys: tuple[str, ...] = ()
+    splits: bool = True
 
 
 PRMUON_KEYS = tuple(f.name for f in dataclasses.fields(PRMuonConfig))
@@ -33,9 +36,7 @@ NAMES: dict[str, Engine] = {
     "dion3": Engine(Dion3),
     "muon": Engine(Dion3, fixed={"fraction": 1.0, "flavor": "muon"}),
     "normuon": Engine(Dion3, fixed={"fraction": 1.0, "flavor": "normuon"}),
-    "prmuon": Engine(
-        PeriodicRowwiseMuon, fixed={"fraction": 1.0, "flavor": "muon"}, own_keys=PRMUON_KEYS
-    ),
+    "prmuon": Engine(PeriodicRowwiseMuon, fixed=PRMUON_FIXED, own_keys=PRMUON_KEYS, splits=False),
 }
 
 

@@ -93,7 +93,7 @@ def wrap_metrics_builder(original: Callable | None) -> Callable:
             ours: dict[str, float] = {}
             for container in list(_LIVE):
                 ours.update(container.collect_metrics())
-                container._step = step  # stays aligned after a resume
+                container.align_step(step)
             if ours:  # the console line; TensorBoard/W&B get them through extra_metrics
                 logger.info(f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/'):]}={v:.4g}" for k, v in ours.items()))
             return log(step, *a, extra_metrics={**extra, **ours}, **k)
@@ -122,9 +122,8 @@ class Dion3OptimizersContainer(OptimizersContainer):
         all_params: list[nn.Parameter] = []
         for model in model_parts:
             groups = build_param_groups(model.named_parameters(), **adamw)
-            # fused weights of built-in models (gpt_oss mlp1) split into their pieces;
-            # Periodic Row-wise Muon works on whole matrices
-            part_options = options if cfg.name == "prmuon" else with_auto_split_specs(options, model)
+            # fused weights of built-in models (gpt_oss mlp1) split into their pieces
+            part_options = with_auto_split_specs(options, model) if NAMES[cfg.name].splits else options
             self.optimizers.append(optimizer_cls(groups, lr=lr, **part_options))
             all_params += [p for g in groups for p in g["params"]]
         self._validate_length(len(model_parts))
@@ -183,6 +182,10 @@ class Dion3OptimizersContainer(OptimizersContainer):
                 self._metrics[i].step(measure)
             else:
                 runner.step(*args, **kwargs)
+
+    def align_step(self, step: int) -> None:
+        """The trainer's step, so that the logging steps stay aligned with it after a resume."""
+        self._step = step
 
     def collect_metrics(self) -> dict[str, float]:
         """Metrics of the last measured step, summed (comm, time) or averaged over model parts."""
@@ -301,3 +304,63 @@ def register() -> None:
             build_metrics_processor_fn=wrap_metrics_builder(spec.build_metrics_processor_fn),
         )
         titan_specs.register_train_spec(name, wrapped)
+
+
+# ----------------------------------------------------------------- fixes to torchtitan 0.2.2
+def fix_torchtitan() -> None:
+    """Two torchtitan 0.2.2 defects that training meets, fixed by patching (idempotent;
+    tests/test_upstream_symbols.py fails when a release renames what they patch)."""
+    _initialize_router_bias()
+    _normalize_pipeline_loss_before_backward()
+
+
+def _initialize_router_bias() -> None:
+    """torchtitan 0.2.2's MoE router initializes its gate weight but not the gate bias
+    (`gate_bias = true`, as in gpt_oss), which keeps whatever memory it was given -- NaN at
+    times, and then every loss is NaN. Zero it after the weight's own initialization."""
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+    init = TokenChoiceTopKRouter.init_weights
+    if getattr(init, "_dion3", False):
+        return
+
+    def init_weights(self, init_std: float) -> None:
+        init(self, init_std)
+        if self.gate.bias is not None:
+            torch.nn.init.zeros_(self.gate.bias)
+
+    init_weights._dion3 = True  # type: ignore[attr-defined]
+    TokenChoiceTopKRouter.init_weights = init_weights  # type: ignore[method-assign]
+
+
+def _normalize_pipeline_loss_before_backward() -> None:
+    """torchtitan 0.2.2's pipeline schedule backpropagates each microbatch's summed loss and
+    divides by the step's token count only the loss it logs (pytorch/torchtitan#2972), so with
+    pipeline parallelism every gradient, and `grad_norm`, is `global_valid_tokens` times what it
+    is without (and `max_norm` clips nearly every step). Divide inside the schedule's loss, as
+    the non-PP path divides before backward; the logged loss stays the same."""
+    from torchtitan.train import Trainer
+
+    step = Trainer.forward_backward_step
+    if getattr(step, "_dion3", False):
+        return
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        if not self.parallel_dims.pp_enabled:
+            return step(self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        schedule = self.pp_schedule
+        loss_sum = schedule._loss_fn
+
+        def loss_per_token(pred, target, **kwargs):
+            return loss_sum(pred, target, **kwargs) / global_valid_tokens
+
+        schedule._loss_fn = loss_per_token
+        try:
+            loss = step(self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        finally:
+            schedule._loss_fn = loss_sum
+        # torchtitan divides the collected (now per-token) losses by the token count again
+        return loss * global_valid_tokens if self.pp_has_last_stage else loss
+
+    forward_backward_step._dion3 = True  # type: ignore[attr-defined]
+    Trainer.forward_backward_step = forward_backward_step  # type: ignore[method-assign]

@@ -78,8 +78,7 @@ def main(trainer_class: type[Any] | None = None) -> None:
     plugin.register()
     check_config_or_exit(sys.argv[1:])
     _release_graphs_before_teardown()
-    _initialize_router_bias()
-    _normalize_pipeline_loss_before_backward()
+    plugin.fix_torchtitan()
     titan_main(trainer_class or Trainer)
 
 
@@ -100,58 +99,6 @@ def _release_graphs_before_teardown() -> None:
 
     destroy_after_release._dion3 = True  # type: ignore[attr-defined]
     dist.destroy_process_group = destroy_after_release
-
-
-def _initialize_router_bias() -> None:
-    """torchtitan 0.2.2's MoE router initializes its gate weight but not the gate bias
-    (`gate_bias = true`, as in gpt_oss), which keeps whatever memory it was given -- NaN at
-    times, and then every loss is NaN. Zero it after the weight's own initialization."""
-    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
-
-    init = TokenChoiceTopKRouter.init_weights
-    if getattr(init, "_dion3", False):
-        return
-
-    def init_weights(self, init_std: float) -> None:
-        init(self, init_std)
-        if self.gate.bias is not None:
-            torch.nn.init.zeros_(self.gate.bias)
-
-    init_weights._dion3 = True  # type: ignore[attr-defined]
-    TokenChoiceTopKRouter.init_weights = init_weights  # type: ignore[method-assign]
-
-
-def _normalize_pipeline_loss_before_backward() -> None:
-    """torchtitan 0.2.2's pipeline schedule backpropagates each microbatch's summed loss and
-    divides by the step's token count only the loss it logs (pytorch/torchtitan#2972), so with
-    pipeline parallelism every gradient, and `grad_norm`, is `global_valid_tokens` times what it
-    is without (and `max_norm` clips nearly every step). Divide inside the schedule's loss, as
-    the non-PP path divides before backward; the logged loss stays the same."""
-    from torchtitan.train import Trainer
-
-    step = Trainer.forward_backward_step
-    if getattr(step, "_dion3", False):
-        return
-
-    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        if not self.parallel_dims.pp_enabled:
-            return step(self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
-        schedule = self.pp_schedule
-        loss_sum = schedule._loss_fn
-
-        def loss_per_token(pred, target, **kwargs):
-            return loss_sum(pred, target, **kwargs) / global_valid_tokens
-
-        schedule._loss_fn = loss_per_token
-        try:
-            loss = step(self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
-        finally:
-            schedule._loss_fn = loss_sum
-        # torchtitan divides the collected (now per-token) losses by the token count again
-        return loss * global_valid_tokens if self.pp_has_last_stage else loss
-
-    forward_backward_step._dion3 = True  # type: ignore[attr-defined]
-    Trainer.forward_backward_step = forward_backward_step  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

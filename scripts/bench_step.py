@@ -57,6 +57,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from dion3_titan import Dion3  # noqa: E402
 from dion3_titan.dist.layout import to_local  # noqa: E402
+from dion3_titan.kernels.flops import ns_flops  # noqa: E402
 from dion3_titan.optim.routing import build_param_groups  # noqa: E402
 
 MATRIX_LR = 0.02
@@ -265,46 +266,6 @@ def copy_gbps(device: torch.device, tiny: bool) -> float:
 
 
 # ----------------------------------------------------------------------------- FLOP counts
-def standard_ns_flops(n: int, m: int, steps: int, symmetric: bool) -> float:
-    """Standard NS on an n x m (n <= m) matrix: per step X X^T (2mn^2), A^2 (2n^3), B X (2mn^2);
-    symmetric kernels halve the first two (paper Sec. 2.3: 5(4mn^2 + 2n^3) -> 5(3mn^2 + n^3))."""
-    half = 1 if symmetric else 2
-    return steps * (half * m * n * n + half * n**3 + 2 * m * n * n)
-
-
-def gram_ns_flops(n: int, m: int, steps: int, restarts: tuple[int, ...], symmetric: bool) -> float:
-    """Gram NS (paper Alg. 3 as in dion3_titan/optim/orthogonalize.py) on an n x m (n <= m)
-    matrix, counted product by product. With T = 5 and a restart at 2: 14 n x n products and
-    X X^T twice, Q X twice, i.e. 14n^3 + 6n^2 m with symmetric kernels, 28n^3 + 8n^2 m without."""
-    half = 1 if symmetric else 2
-    gram = half * m * n * n  # R = X X^T
-    small = half * n**3  # a symmetric n x n product
-    total = gram
-    q_identity = True
-    for t in range(steps):
-        if t > 0 and t in restarts:
-            if not q_identity:
-                total += 2 * m * n * n  # X <- Q X
-            total += gram
-            q_identity = True
-        total += small  # Z = b R + c R^2
-        if not q_identity:
-            total += small  # Q <- Q Z + a Q
-        q_identity = False
-        if t + 1 < steps and (t + 1) not in restarts:
-            total += 2 * small  # RZ, then R <- Z RZ
-    return total + 2 * m * n * n  # Q X
-
-
-def ns_flops(rows: int, cols: int, algorithm: str, steps: int, restarts: tuple[int, ...], symmetric: bool) -> float:
-    n, m = min(rows, cols), max(rows, cols)
-    if algorithm == "auto":
-        algorithm = "standard" if n == m else "gram"
-    if algorithm == "gram":
-        return gram_ns_flops(n, m, steps, restarts, symmetric)
-    return standard_ns_flops(n, m, steps, symmetric)
-
-
 def dion3_rank_flops(opt: Dion3) -> float:
     """NS FLOPs this rank runs per step, read from the optimizer's plan: each shape group's
     owned batch at its padded (rows, cols), Gram or standard as the engine resolves it, and
@@ -313,8 +274,8 @@ def dion3_rank_flops(opt: Dion3) -> float:
     from dion3_titan.kernels.dispatch import select_backend
 
     total = 0.0
-    for sg in opt._groups:
-        cfg = opt._configs[sg.group_index]
+    for sg in opt.shape_groups:
+        cfg = opt.configs[sg.group_index]
         ex = sg.exchange
         if isinstance(ex, ShardedExchange):
             count, rows, cols = ex.n_own, ex.n_rb * ex.k, ex.n_cb * ex.cols

@@ -110,14 +110,16 @@ def test_two_gloo_ranks_fsdp2(tmp_path: Path) -> None:
 
 
 def test_flop_formulas() -> None:
-    """The per-matrix counts quoted in the paper (Sec. 2.2, 2.3) and DESIGN.md."""
-    bench = _load(BENCH, "bench_step")
+    """The per-matrix counts quoted in the paper (Sec. 2.2, 2.3) and DESIGN.md (the package's
+    FLOP model, which bench_step and the megabatch plan use)."""
+    from dion3_titan.kernels import flops
+
     n, m = 1024, 4096
-    assert bench.gram_ns_flops(n, m, 5, (2,), symmetric=True) == 14 * n**3 + 6 * n**2 * m
-    assert bench.standard_ns_flops(n, m, 5, symmetric=False) == 5 * (4 * m * n**2 + 2 * n**3)
-    assert bench.standard_ns_flops(n, m, 5, symmetric=True) == 5 * (3 * m * n**2 + n**3)
-    assert bench.ns_flops(m, n, "auto", 5, (2,), True) == bench.gram_ns_flops(n, m, 5, (2,), True)  # tall = wide
-    assert bench.ns_flops(n, n, "auto", 5, (2,), True) == bench.standard_ns_flops(n, n, 5, True)  # square
+    assert flops.gram_ns_flops(n, m, 5, (2,), symmetric=True) == 14 * n**3 + 6 * n**2 * m
+    assert flops.standard_ns_flops(n, m, 5, symmetric=False) == 5 * (4 * m * n**2 + 2 * n**3)
+    assert flops.standard_ns_flops(n, m, 5, symmetric=True) == 5 * (3 * m * n**2 + n**3)
+    assert flops.ns_flops(m, n, "auto", 5, (2,), True) == flops.gram_ns_flops(n, m, 5, (2,), True)  # tall = wide
+    assert flops.ns_flops(n, n, "auto", 5, (2,), True) == flops.standard_ns_flops(n, n, 5, True)  # square
 
 
 def test_graph_rows_with_a_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

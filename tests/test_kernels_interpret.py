@@ -285,14 +285,14 @@ def test_get_backend_names() -> None:
 def test_select_backend_and_algorithm_on_cpu() -> None:
     import torch
 
-    from dion3_titan.kernels import select_algorithm, select_backend
+    from dion3_titan.kernels import resolve_algorithm, select_backend
 
     assert select_backend("auto", (4, 2048, 8192), torch.float16, "cpu").name == "torch"
     assert select_backend("triton", (4, 2048, 8192), torch.float16, "cpu").name == "triton"
     with pytest.raises(ValueError, match="preference must be one of"):
         select_backend("fastest", (4, 2048, 8192), torch.float16, "cpu")
-    assert select_algorithm((8, 4096, 4096)) == "standard"
-    assert select_algorithm((8, 4096, 11008)) == "gram"
+    assert resolve_algorithm("auto", 4096, 4096) == "standard"
+    assert resolve_algorithm("auto", 4096, 11008) == "gram"
 
 
 def test_cute_module_imports_without_a_gpu() -> None:

@@ -20,9 +20,15 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return bool(DTensor) and isinstance(t, DTensor)
 
 
+def _is_strided_shard(placement) -> bool:
+    """torch's private _StridedShard (FSDP2 over TP), recognised by its type name: the class is
+    private, moves between torch releases and is not a Shard subclass in recent ones."""
+    return type(placement).__name__ == "_StridedShard"
+
+
 def _is_shard(placement) -> bool:
-    """Shard or _StridedShard (not a Shard subclass in recent torch)."""
-    return isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard"
+    """Shard or _StridedShard."""
+    return isinstance(placement, Shard) or _is_strided_shard(placement)
 
 
 def to_local(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +145,7 @@ ROW_DIMS = {"rows": -2, "cols": -1}
 def _shard_rows(placement, size: int, chunks: int, rank: int) -> torch.Tensor:
     """Indices (into a dim of ``size``) that ``placement`` keeps on ``rank`` of ``chunks``,
     as DTensor computes them (torch.chunk for Shard; _StridedShard's strided offsets)."""
-    if type(placement).__name__ == "_StridedShard":
+    if _is_strided_shard(placement):
         try:
             from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
 
@@ -287,7 +293,7 @@ def row_state(param: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
             else:
                 placements.append(Replicate())
                 continue
-            if type(placement).__name__ == "_StridedShard":
+            if _is_strided_shard(placement):
                 placements.append(type(placement)(new_dim, split_factor=placement.split_factor))
             else:
                 placements.append(Shard(new_dim))

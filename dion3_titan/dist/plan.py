@@ -14,8 +14,33 @@ import torch.distributed as dist
 
 from dion3_titan.dist.comm import CommStats, Exchange, ReplicatedExchange, ShardedExchange
 from dion3_titan.dist.layout import MatrixLayout
-from dion3_titan.optim.config import lr_scale
-from dion3_titan.optim.flavors import FLAVORS
+from dion3_titan.kernels.flops import ns_flops
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the plan reads of one matrix param group's settings (optim/config.py owns them)."""
+
+    fraction: float  # share of rows each matrix contributes per step
+    selection_scope: str  # "local": k of each shard's rows; "global": of the whole matrix
+    megabatch: bool  # one batch per shape group; False: batches of as many matrices as shards
+    row_data: bool  # one extra column (the flavor's per-row data) travels with the rows
+    ns_algorithm: str  # the Newton-Schulz cost that owners are balanced on
+    ns_steps: int
+    ns_restarts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One matrix parameter, or one piece of a split parameter (``piece_index`` set), in a
+    rank-independent order."""
+
+    group_index: int  # its param group
+    param: torch.Tensor
+    name: str
+    layout: MatrixLayout  # the piece's, for a piece
+    lr_scale: float  # multiplier of the update's learning rate (optim/config.py lr_scale)
+    piece_index: int | None = None
 
 
 @dataclass
@@ -108,11 +133,6 @@ def group_key(group_index: int, layout: MatrixLayout, dtype: torch.dtype) -> tup
     )
 
 
-def _flops(rows: int, cols: int) -> float:
-    n, m = min(rows, cols), max(rows, cols)
-    return 14.0 * n**3 + 6.0 * n * n * m
-
-
 _flat_groups: dict[tuple, tuple] = {}
 
 
@@ -157,31 +177,25 @@ def _all_gather_ints(values: list[int], group, device: torch.device) -> torch.Te
     return torch.stack(out).cpu()
 
 
-def build_groups(
-    entries: list[tuple], hyper: list[dict], stats: CommStats
-) -> list[ShapeGroup]:
-    """``entries``: (param group index, param, name, layout) or, for a piece of a split
-    parameter, (param group index, param, name, piece layout, piece index), in a
-    rank-independent order; ``hyper[i]``: param group i's options. Collective over the ranks
-    of each gather group."""
+def build_groups(entries: list[PlanEntry], settings: list[PlanSettings | None], stats: CommStats) -> list[ShapeGroup]:
+    """The shape groups of ``entries``; ``settings[i]``: param group i's (None for a group
+    without matrices). Collective over the ranks of each gather group."""
     groups: dict[tuple, ShapeGroup] = {}
-    for gi, p, name, layout, *piece in entries:
-        h = hyper[gi]
-        scale = lr_scale(layout.d_out, layout.d_in, h["lr_rule"], h["fraction"], h["fraction_lr_transfer"])
-        key = group_key(gi, layout, p.dtype)
-        g = groups.setdefault(key, ShapeGroup(gi, key))
-        index = piece[0] if piece else None
-        g.members.append(Member(p, name if index is None else f"{name}[{index}]", layout, scale, piece_index=index))
+    for e in entries:
+        key = group_key(e.group_index, e.layout, e.param.dtype)
+        g = groups.setdefault(key, ShapeGroup(e.group_index, key))
+        name = e.name if e.piece_index is None else f"{e.name}[{e.piece_index}]"
+        g.members.append(Member(e.param, name, e.layout, e.lr_scale, piece_index=e.piece_index))
     planned = []
     for g in groups.values():
-        planned.extend([g] if hyper[g.group_index]["megabatch"] else _per_shard_batches(g))
+        planned.extend([g] if settings[g.group_index].megabatch else _per_shard_batches(g))
     loads: dict[int, list[float]] = {}
     for g in planned:
         offset = 0
         for m in g.members:
             m.offset = offset
             offset += m.layout.batch
-        _plan_group(g, hyper[g.group_index], stats, loads)
+        _plan_group(g, settings[g.group_index], stats, loads)
     return planned
 
 
@@ -196,11 +210,10 @@ def _per_shard_batches(g: ShapeGroup) -> list[ShapeGroup]:
     return out
 
 
-def _plan_group(g: ShapeGroup, h: dict, stats: CommStats, loads: dict) -> None:
+def _plan_group(g: ShapeGroup, h: PlanSettings, stats: CommStats, loads: dict) -> None:
     lay = g.members[0].layout
     g.local_rows, g.local_cols = lay.local_rows, lay.local_cols
-    row_data = FLAVORS[h["flavor"]].row_data  # one extra column travels with the rows
-    fraction, scope = h["fraction"], h["selection_scope"]
+    fraction, scope = h.fraction, h.selection_scope
     device = g.members[0].param.device
     if not lay.matrix_shards():
         g.k = rows_to_select(fraction, g.local_rows)
@@ -225,10 +238,11 @@ def _plan_group(g: ShapeGroup, h: dict, stats: CommStats, loads: dict) -> None:
         g.k = rows_to_select(fraction, max_rows)
     # owners: greedy least-loaded rank of this gather group, in a rank-independent order
     load = loads.setdefault(id(group), [0.0] * len(row_block))
-    cost = _flops(n_rb * g.k, g.col_blocks * g.cols)
+    # each owned matrix costs its NS FLOPs (symmetric products at half cost)
+    cost = ns_flops(n_rb * g.k, g.col_blocks * g.cols, h.ns_algorithm, h.ns_steps, h.ns_restarts, symmetric=True)
     owners = []
     for _ in range(g.batch):
         q = min(range(len(load)), key=lambda r: (load[r], r))
         load[q] += cost
         owners.append(q)
-    g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, row_data, stats)
+    g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, h.row_data, stats)

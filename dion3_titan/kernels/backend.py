@@ -4,7 +4,15 @@ Orthogonalization and the weight update are written against these five ops only,
 is chosen per shape without touching the algorithms.
 """
 
+import os
+
 import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1): then they also
+    take CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class Backend:

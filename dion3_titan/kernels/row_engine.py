@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dion3_titan.kernels.triton_ops import _interpreting, _round_to
+from dion3_titan.kernels.backend import interpreting
+from dion3_titan.kernels.triton_ops import round_to
 
 
 # (BLOCK_R, BLOCK_C, num_warps) per kernel when every view's columns are contiguous (wide row
@@ -72,7 +73,7 @@ def _accumulate_scores_kernel(
         if HAS_G:
             g_ptrs = g_ptr + batch * s_gb + rows64[:, None] * s_gr + cols[None, :].to(tl.int64) * s_gc
             g = tl.load(g_ptrs, mask=mask, other=0.0)
-            new = _round_to(m.to(tl.float32) + g.to(tl.float32), m_ptr.dtype.element_ty, INTERPRET)
+            new = round_to(m.to(tl.float32) + g.to(tl.float32), m_ptr.dtype.element_ty, INTERPRET)
             if HAS_OK:
                 tl.store(m_ptrs, new, mask=mask & add)
                 m = tl.where(add, new, m)
@@ -114,7 +115,7 @@ def accumulate_scores(
         HAS_OK=ok is not None,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         num_warps=warps,
         enable_fp_fusion=False,
     )
@@ -151,7 +152,7 @@ def _gather_rows_kernel(
         x = tl.div_rn(x, tl.load(den_ptr + batch))  # IEEE division, as torch divides
     out_mask = (j < out_rows)[:, None] & (cols[None, :] < out_cols)
     o_ptrs = out_ptr + batch * s_ob + j.to(tl.int64)[:, None] * s_or + cols[None, :].to(tl.int64) * s_oc
-    tl.store(o_ptrs, _round_to(tl.where(mask, x, 0.0), out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
+    tl.store(o_ptrs, round_to(tl.where(mask, x, 0.0), out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
 
 
 def gather_rows(
@@ -190,7 +191,7 @@ def gather_rows(
         HAS_DEN=denominator is not None,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         num_warps=warps,
         enable_fp_fusion=False,
     )
@@ -254,8 +255,8 @@ def _update_rows_kernel(
         if DECAY_M:  # error feedback: only the selected momentum rows decay
             m_ptrs = m_ptr + batch * s_mb + rows[:, None].to(tl.int64) * s_mr + cols64 * s_mc
             m = tl.load(m_ptrs, mask=sel_mask, other=0.0).to(tl.float32)
-            tl.store(m_ptrs, _round_to(m * mu, m_ptr.dtype.element_ty, INTERPRET), mask=sel_mask)
-    tl.store(w_ptrs, _round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+            tl.store(m_ptrs, round_to(m * mu, m_ptr.dtype.element_ty, INTERPRET), mask=sel_mask)
+    tl.store(w_ptrs, round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 def row_slots(rows: torch.Tensor, num_rows: int, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -331,7 +332,7 @@ def update_rows(
         DECAY_M=momentum is not None,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         num_warps=warps,
         enable_fp_fusion=False,
     )

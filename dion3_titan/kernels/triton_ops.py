@@ -10,7 +10,8 @@ product and leaves the bytes written unchanged.
 
 Fused update. One pass over the weight: every row is scaled by ``decay``; rows listed in ``rows``
 also get ``- lr * update``; float32 math and one rounding to the weight's dtype, exactly as
-``torch_ops._fused_update_reference`` computes it (same operations, same order, no FMA).
+``torch_ops._fused_update_reference`` computes it (same operations, same order, no FMA). The
+kernel is the row engine's (row_engine.update_rows, without momentum).
 
 Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (that is how the CPU tests
 check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
@@ -19,23 +20,19 @@ check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
 # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)
 SYM_CONFIG: tuple[int, int, int, int, int] = (128, 64, 8, 8, 3)
 _SUPPORTED = (torch.float16, torch.bfloat16)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -71,7 +68,7 @@ def _lower_tile(t, num_tiles_side, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 -> dtype, round to nearest even.
 
     Triton's CPU interpreter (3.9) rounds float32 -> bfloat16 wrongly (no carry into the
@@ -145,7 +142,7 @@ def _sym_gemm_kernel(
     else:
         acc = alpha * acc
 
-    res = _round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
+    res = round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
     out_base = out_ptr + batch * s_ob
     if ti == tj:  # the lower triangle and its mirror: exactly symmetric by construction
         res = tl.where(rows[:, None] >= cols[None, :], res, tl.trans(res))
@@ -199,7 +196,7 @@ def _sym_gemm_tma_kernel(
             acc = alpha * acc + beta * c
         else:
             acc = alpha * acc
-        res = _round_to(acc, out_desc.dtype, INTERPRET)
+        res = round_to(acc, out_desc.dtype, INTERPRET)
         if ti == tj:  # see _sym_gemm_kernel
             r = tl.arange(0, BLOCK)
             res = tl.where(r[:, None] >= r[None, :], res, tl.trans(res))
@@ -223,42 +220,6 @@ def tile_order(side: int, group: int, device: torch.device | str = "cpu") -> tor
     out = torch.full((count, 2), -1, dtype=torch.int32, device=device)
     _tile_order_kernel[(1,)](out, count, side, GROUP=group, BLOCK=triton.next_power_of_2(count))
     return out
-
-
-@triton.jit
-def _fused_update_kernel(
-    w_ptr, u_ptr, slot_ptr, lr_ptr, decay_ptr,
-    num_rows, num_cols,
-    s_wb, s_wr, s_wc,
-    s_ub, s_uk, s_uc,
-    s_sb, s_sr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    batch = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_ok = rows < num_rows
-    mask = row_ok[:, None] & (cols[None, :] < num_cols)
-    # slot[b, r]: position of row r in ``rows[b]``, or -1 if r is not selected
-    slot = tl.load(slot_ptr + batch * s_sb + rows * s_sr, mask=row_ok, other=-1)
-    selected = slot >= 0
-    lr = tl.load(lr_ptr)
-    decay = tl.load(decay_ptr)
-
-    w_ptrs = w_ptr + batch * s_wb + rows[:, None].to(tl.int64) * s_wr + cols[None, :] * s_wc
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u_ptrs = (
-        u_ptr + batch * s_ub + tl.maximum(slot, 0)[:, None].to(tl.int64) * s_uk + cols[None, :] * s_uc
-    )
-    u = tl.load(u_ptrs, mask=mask & selected[:, None], other=0.0).to(tl.float32)
-    # Same three roundings as the reference: (w * decay) - (lr * u). The launch passes
-    # enable_fp_fusion=False so the compiler cannot contract these into an FMA.
-    decayed = w * decay
-    step = lr * u
-    new = tl.where(selected[:, None], decayed - step, decayed)
-    tl.store(w_ptrs, _round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 def _check_sym_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
@@ -334,18 +295,17 @@ def sym_gemm(
         BLOCK=block,
         BLOCK_K=block_k,
         GROUP=group,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
 
 
-# Persistent TMA form, same fields as SYM_CONFIG; None turns it off. Measured on an H200 at
-# 4 x 8192^2: 3.65 ms against 4.39 ms for the per-tile kernel (4 stages; 3 stages 4.38 ms).
+# Persistent TMA form, same fields as SYM_CONFIG (the fastest config tried); None turns it off.
 TMA_CONFIG: tuple[int, int, int, int, int] | None = (128, 64, 8, 8, 4)
-# The persistent kernel pays off once every SM has several tiles to walk (4 x 2048^2, 544
-# tiles on 132 SMs, ran 0.12 ms against 0.08 ms for the per-tile kernel; 32 x 2048^2 won).
+# The persistent kernel pays off only once every SM has several tiles to walk; below that the
+# per-tile kernel is faster. Measurements of both: docs/benchmarks.md, "Symmetric GEMM vs cuBLAS".
 TMA_MIN_TILES_PER_SM = 8
 _TMA_BROKEN: list[str] = []  # set when this Triton cannot compile the TMA kernel
 
@@ -416,7 +376,7 @@ def sym_gemm_tma(
         TensorDescriptor.from_tensor(a2, a_block), TensorDescriptor.from_tensor(b2, b_block), c_desc, out_desc,
         n, k, L, float(alpha), float(beta),
         A_T=a_t, B_T=b_t, HAS_C=has_c, BLOCK=block, BLOCK_K=block_k, GROUP=group,
-        NUM_SMS=sms, INTERPRET=_interpreting(),
+        NUM_SMS=sms, INTERPRET=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -428,30 +388,16 @@ def fused_update(
     rows: torch.Tensor,
     lr: torch.Tensor,
     decay: torch.Tensor,
-    block_r: int = 8,
-    block_c: int = 256,
 ) -> None:
-    """See ``Backend.fused_update``. No host sync: lr/decay are read on the device."""
+    """See ``Backend.fused_update``: the row engine's update kernel without momentum (one
+    kernel owns the update's arithmetic). No host sync: lr/decay are read on the device."""
+    from dion3_titan.kernels.row_engine import row_slots, update_rows  # it imports this module
+
     B, R, C = weight.shape
     k = rows.shape[1]
     if update.shape != (B, k, C):
         raise ValueError(f"fused_update expects update of shape {(B, k, C)}; got {tuple(update.shape)}")
-    # Row -> slot map (-1 = not selected), built with device ops so it is graph-capturable.
-    slot = torch.full((B, R), -1, dtype=torch.int32, device=weight.device)
-    if k > 0:
-        slots = torch.arange(k, dtype=torch.int32, device=weight.device).expand(B, k)
-        slot.scatter_(1, rows, slots)
-    grid = (B, triton.cdiv(R, block_r), triton.cdiv(C, block_c))
-    _fused_update_kernel[grid](
-        weight, update, slot, lr, decay,
-        R, C,
-        *weight.stride(), *update.stride(), *slot.stride(),
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        INTERPRET=_interpreting(),
-        num_warps=4,
-        enable_fp_fusion=False,
-    )
+    update_rows(weight, None, update, row_slots(rows, R), lr, decay, mu=1.0)
 
 
 class TritonOps(TorchOps):
@@ -488,6 +434,6 @@ class TritonOps(TorchOps):
         since a float32 tensor-core product would silently drop to tf32 precision."""
         return (
             a.dtype in _SUPPORTED
-            and (a.is_cuda or _interpreting())
+            and (a.is_cuda or interpreting())
             and _offsets_fit(a.shape[-2], a.shape[-1])
         )

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from dion3_titan.kernels.dispatch import PREFERENCES
+
 FLAVORS = ("muon", "normuon")
 LR_RULES = ("spectral", "rms", "none")
 NS_ALGORITHMS = ("gram", "standard", "auto")
@@ -16,7 +18,7 @@ NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": to
 SELECTIONS = ("l1", "random")
 SELECTION_SCOPES = ("local", "global")
 SELECTION_DIMS = ("rows", "cols")
-BACKENDS = ("auto", "torch", "triton", "cute")
+BACKENDS = PREFERENCES  # kernels/dispatch.py owns the backend names
 NONFINITE = ("raise", "skip")
 
 # Muon's fixed quintic (Jordan et al.), used at every step.

@@ -62,6 +62,11 @@ class GraphedOptimizer:
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
 
+    @property
+    def graph(self) -> "torch.cuda.CUDAGraph | None":
+        """The captured step (None before the capture and after ``release``)."""
+        return self._graph
+
     def _signature(self) -> tuple:
         """What a captured step bakes in: the state tensors (``state_version``; Dion3 refuses
         new param groups after construction) and the AdamW groups' constants, which torch's

@@ -14,10 +14,10 @@ from torch.optim.adamw import adamw
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
 from dion3_titan.dist.layout import describe, to_local, zeros_like_param
-from dion3_titan.dist.plan import ShapeGroup, build_groups
+from dion3_titan.dist.plan import Member, PlanEntry, PlanSettings, ShapeGroup, build_groups
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim import engine
-from dion3_titan.optim.config import Dion3Config, fraction_transfer
+from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
 from dion3_titan.optim.orthogonalize import NSSettings, is_transposed_batch, normalize_batch, orthogonalize
@@ -62,6 +62,19 @@ def _join(views: list[torch.Tensor]) -> torch.Tensor:
     if is_transposed_batch(views):
         return torch.cat([v.mT for v in views]).mT
     return torch.cat(views)
+
+
+def plan_settings(cfg: Dion3Config) -> PlanSettings:
+    """What the megabatch plan reads of a matrix group's settings."""
+    return PlanSettings(
+        fraction=cfg.fraction,
+        selection_scope=cfg.selection_scope,
+        megabatch=cfg.megabatch,
+        row_data=FLAVORS[cfg.flavor].row_data,
+        ns_algorithm=cfg.ns_algorithm,
+        ns_steps=cfg.ns_steps,
+        ns_restarts=cfg.ns_restarts,
+    )
 
 
 class Dion3(torch.optim.Optimizer):
@@ -109,20 +122,22 @@ class Dion3(torch.optim.Optimizer):
 
     def _build_plan(self) -> None:
         entries = []
-        hyper = []
         for gi, group in enumerate(self.param_groups):
             cfg = self._configs[gi]
-            hyper.append(cfg.as_dict() if cfg else {})
             if cfg is None:
                 continue
             for p, name in zip(group["params"], self._names(group)):
                 pieces = split_pieces(name, tuple(p.shape), cfg)  # fused weights (optim/split.py)
-                if pieces is None:
-                    entries.append((gi, p, name, describe(p, cfg.selection_dim)))
-                else:
-                    entries.extend((gi, p, name, describe(p, cfg.selection_dim, pc, name), i) for i, pc in enumerate(pieces))
+                layouts = [describe(p, cfg.selection_dim)] if pieces is None else [
+                    describe(p, cfg.selection_dim, pc, name) for pc in pieces
+                ]
+                for i, layout in enumerate(layouts):
+                    scale = lr_scale(layout.d_out, layout.d_in, cfg.lr_rule, cfg.fraction, cfg.fraction_lr_transfer)
+                    entries.append(PlanEntry(gi, p, name, layout, scale, None if pieces is None else i))
         self.comm_stats = CommStats()
-        self._groups: list[ShapeGroup] = build_groups(entries, hyper, self.comm_stats)
+        self._groups: list[ShapeGroup] = build_groups(
+            entries, [plan_settings(cfg) if cfg else None for cfg in self._configs], self.comm_stats
+        )
         self._ns: list[NSSettings | None] = [
             NSSettings(cfg.ns_algorithm, cfg.coefficients(), cfg.ns_restarts, cfg.compute_dtype, cfg.ns_eps)
             if cfg
@@ -161,6 +176,16 @@ class Dion3(torch.optim.Optimizer):
                 st["step"] = torch.zeros((), dtype=torch.float32, device=to_local(p).device)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @property
+    def shape_groups(self) -> tuple[ShapeGroup, ...]:
+        """The megabatch plan (dist/plan.py): every shape group of the matrix param groups."""
+        return tuple(self._groups)
+
+    @property
+    def configs(self) -> tuple[Dion3Config | None, ...]:
+        """Each param group's validated settings (None for an AdamW group)."""
+        return tuple(self._configs)
 
     @property
     def state_version(self) -> int:
@@ -298,15 +323,20 @@ class Dion3(torch.optim.Optimizer):
                 lambda p: None if p.grad is None else to_local(p.grad),
                 self.nonfinite,
             )
-        seen, moms, grads = set(fused), [], []
-        for sg in groups:
-            for m in sg.members:
-                if m.param.grad is not None and id(m.param) not in seen:
-                    seen.add(id(m.param))
-                    moms.append(to_local(self.state[m.param]["momentum"]))
-                    grads.append(to_local(m.param.grad))
-        self.nonfinite.accumulate(moms, grads)
+        self._add_gradients([m for sg in groups for m in sg.members], done=set(fused))
         return scores
+
+    def _add_gradients(self, members: list[Member], done: set[int] = frozenset()) -> None:
+        """M <- M + G (gated by the gradients' ``ok`` flag) for the parameter of each member that
+        has a gradient, once per parameter (a split parameter has several members); parameters
+        whose id is in ``done`` were accumulated by the row engine."""
+        seen, moms, grads = set(done), [], []
+        for m in members:
+            if m.param.grad is not None and id(m.param) not in seen:
+                seen.add(id(m.param))
+                moms.append(to_local(self.state[m.param]["momentum"]))
+                grads.append(to_local(m.param.grad))
+        self.nonfinite.accumulate(moms, grads)
 
     def _fused(self, sg: ShapeGroup) -> bool:
         """Whether the row engine runs this group's memory-bound passes."""

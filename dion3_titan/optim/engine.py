@@ -14,8 +14,8 @@ import torch
 
 from dion3_titan.dist.layout import to_local
 from dion3_titan.kernels import row_engine as rk
+from dion3_titan.kernels.backend import interpreting
 from dion3_titan.optim.nonfinite import NonfiniteGuard
-from dion3_titan.kernels.triton_ops import _interpreting
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -24,7 +24,7 @@ def runs_on(backend: str, param: torch.Tensor) -> bool:
     """The engine serves a param group whose ``backend`` is not "torch" on a CUDA device (or
     anywhere under Triton's interpreter, for tests), for float32/bf16/fp16 parameters."""
     local = to_local(param)
-    return backend != "torch" and (local.is_cuda or _interpreting()) and local.dtype in _DTYPES
+    return backend != "torch" and (local.is_cuda or interpreting()) and local.dtype in _DTYPES
 
 
 def accumulate(members_of: dict[int, list], momentum, grad_of, guard: NonfiniteGuard) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dion3_titan.kernels.backend import Backend
+from dion3_titan.kernels.dispatch import resolve_algorithm
 from dion3_titan.optim.config import Coefficients
 
 
@@ -104,13 +105,6 @@ def standard_newton_schulz(x: torch.Tensor, coefficients: Coefficients, backend:
         poly = ops.sym_addmm(gram, gram, gram, alpha=c, beta=b)
         x = ops.mm_add(poly, x, x, alpha=1.0, beta=a)
     return x
-
-
-def resolve_algorithm(algorithm: str, n: int, m: int) -> str:
-    """"auto": Gram NS saves FLOPs only for rectangular inputs; square ones use standard NS."""
-    if algorithm == "auto":
-        return "standard" if n == m else "gram"
-    return algorithm
 
 
 def orthogonalize(

@@ -187,12 +187,7 @@ class PeriodicRowwiseMuon(Dion3):
         updated while it is in flight, the split ones after it lands.
         """
         members = [(sg.group_index, m) for sg in shape_groups for m in sg.members]
-        moms, grads = [], []
-        for _, m in members:
-            if m.param.grad is not None:
-                moms.append(to_local(self.state[m.param]["momentum"]))
-                grads.append(to_local(m.param.grad))
-        self.nonfinite.accumulate(moms, grads)
+        self._add_gradients([m for _, m in members])
 
         views, splits = [], []
         for _, m in members:

@@ -8,7 +8,7 @@ accelerator exists.
 
 from dion3_titan import cpu_shims as shared
 
-_DEVICE_BINDERS = (
+DEVICE_BINDERS = (
     "torchtitan.tools.utils",
     "torchtitan.components.metrics",
     "torchtitan.distributed.parallel_dims",
@@ -25,9 +25,9 @@ def apply() -> None:
     global _applied
     if _applied:
         return
-    shared._device_cpu(_DEVICE_BINDERS)
-    shared._fsdp_sum_reductions()
-    shared._histc_integers()
+    shared.device_cpu(DEVICE_BINDERS)
+    shared.fsdp_sum_reductions()
+    shared.histc_integers()
     _flex_attention_dense()
     _applied = True
 

@@ -124,7 +124,7 @@ class Dion3Optimizers(OptimizersContainer):
             {id(r): OptimizerMetrics(r) for r in self._runners if isinstance(getattr(r, "optimizer", r), Dion3)}
             if config.optimizer_metrics else None
         )
-        self._log_freq: int | None = None  # set by Dion3MetricsProcessor
+        self.log_freq: int | None = None  # the trainer's logging period, set by Dion3MetricsProcessor
         self._step = 0
 
     @staticmethod
@@ -147,7 +147,7 @@ class Dion3Optimizers(OptimizersContainer):
                 if ctor and ctor != own:
                     raise ValueError(f"optimizer_name={name!r}: every group must give the same {sorted(own)}")
                 ctor = own
-            if engine.cls is Dion3:  # Periodic Row-wise Muon works on whole matrices
+            if engine.splits:
                 opts = {**opts, "split_specs": split_specs_for(model, opts, g["param_names"])}
             groups.append({"params": g["params"], "param_names": g["param_names"], "names": g["param_names"],
                            "algorithm": "dion3", **opts})
@@ -156,7 +156,7 @@ class Dion3Optimizers(OptimizersContainer):
     def step(self, closure=None) -> None:
         assert closure is None, "OptimizersContainer does not support closures"
         self._step += 1
-        freq = self._log_freq
+        freq = self.log_freq
         measure = self._metrics is not None and freq is not None and (self._step == 1 or self._step % freq == 0)
         if self._metrics is not None and freq is None and self._step == 1:
             logger.warning("[dion3] optimizer_metrics=True, but the job's metrics processor is not "
@@ -166,6 +166,10 @@ class Dion3Optimizers(OptimizersContainer):
                 self._metrics[id(runner)].step(measure)
             else:
                 runner.step()
+
+    def align_step(self, step: int) -> None:
+        """The trainer's step, so that the logging steps stay aligned with it after a resume."""
+        self._step = step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for runner in self._runners:
