@@ -1,8 +1,7 @@
-"""Smoke test of scripts/bench_step.py (+ plot_step.py) on the CPU with tiny shapes: one
-process, and two gloo ranks under torchrun (FSDP2). CUDA-graph rows must come back
+"""Smoke test of scripts/bench_step.py (benchmarks/step.py, + plot_step.py) on the CPU with tiny
+shapes: one process, and two gloo ranks under torchrun (FSDP2). CUDA-graph rows must come back
 'unavailable' on a CPU; every other row must be timed."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import plot_step
+from benchmarks import step as bench
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "scripts" / "bench_step.py"
-PLOT = ROOT / "scripts" / "plot_step.py"
 COMMON = ["--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--strict"]
 DIST_ONLY = "adamw,muon*,dion3_f1_torch*,dion3_f1/4*"
 
@@ -34,14 +35,6 @@ def _rows(path: Path) -> tuple[dict, dict[str, dict]]:
     return data["meta"], {r["name"]: r for r in data["results"]}
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
     """One process, in this one (no second interpreter start), one CPU thread."""
@@ -51,7 +44,7 @@ def single(tmp_path_factory) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _load(BENCH, "bench_step").main([*COMMON, "--out", str(out)])
+        bench.main([*COMMON, "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     return out
@@ -79,8 +72,7 @@ def test_single_process_rows(single: Path) -> None:
 
 
 def test_plot_markdown(single: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    plot = _load(PLOT, "plot_step")
-    plot.main([str(single), "--markdown"])
+    plot_step.main([str(single), "--markdown"])
     text = capsys.readouterr().out
     assert "| Configuration |" in text and "| unavailable |" in text and "CUDA graphs need a GPU" in text
     assert text.count("\n| ") >= 15  # header + 14 configurations
@@ -88,9 +80,8 @@ def test_plot_markdown(single: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_plot_png(single: Path) -> None:
     pytest.importorskip("matplotlib")
-    plot = _load(PLOT, "plot_step")
     png = single.with_suffix(".png")
-    plot.main([str(single), "-o", str(png)])
+    plot_step.main([str(single), "-o", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -111,7 +102,6 @@ def test_two_gloo_ranks_fsdp2(tmp_path: Path) -> None:
 
 def test_flop_formulas() -> None:
     """The per-matrix counts quoted in the paper (Sec. 2.2, 2.3) and DESIGN.md."""
-    bench = _load(BENCH, "bench_step")
     n, m = 1024, 4096
     assert bench.gram_ns_flops(n, m, 5, (2,), symmetric=True) == 14 * n**3 + 6 * n**2 * m
     assert bench.standard_ns_flops(n, m, 5, symmetric=False) == 5 * (4 * m * n**2 + 2 * n**3)
@@ -125,7 +115,6 @@ def test_graph_rows_with_a_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     GraphedOptimizer, since a CPU cannot capture."""
     import torch
 
-    bench = _load(BENCH, "bench_step")
     released: list[bool] = []
 
     class StandIn:
