@@ -56,7 +56,7 @@ def test_single_process_rows(single: Path) -> None:
     expected = {"adamw", "muon_torch", "muon", "dion3_f1_torch", "dion3_f1_torch_nomb", "dion3_f1_kernels",
                 "dion3_f1_gram", "dion3_f1/2", "dion3_f1/4"}
     assert expected | {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"} == set(rows)
-    for name, r in rows.items():
+    for r in rows.values():
         if r["graph"]:
             assert r["status"] == "unavailable", r
             continue

@@ -87,7 +87,7 @@ def param_digest(model_parts) -> dict[str, float]:
 
 def ensure_corpus() -> Path:
     """The small offline corpus + tokenizer at its default place (built once, ~6 s)."""
-    from dion3_titan.data.build import build, default_out, is_built, DEFAULTS
+    from dion3_titan.data.build import DEFAULTS, build, default_out, is_built
 
     out = REPO / default_out("small")
     if not is_built(str(out)):
