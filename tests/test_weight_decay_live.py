@@ -9,6 +9,7 @@ import torch
 
 from dion3_titan import Dion3
 from dion3_titan.optim.cuda_graph import GraphedOptimizer
+from tests.inputs import random_grads
 
 SEED = 0
 SHAPES = [(16, 48), (48, 16), (2, 16, 24), (48,)]
@@ -25,9 +26,8 @@ def _optimizer(params, wd=0.1):
 
 
 def _step(params, opt, step):
-    g = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    for p, g in zip(params, random_grads(100 + step, [p.shape for p in params])):
+        p.grad = g.to(p.dtype)
     opt.step()
 
 
