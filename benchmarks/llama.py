@@ -99,10 +99,8 @@ def build_model(shape: ModelShape, device: torch.device, mesh, seed: int) -> Lla
 
 
 def count_params(shape: ModelShape) -> int:
-    s = shape
-    attn = 2 * s.hidden * s.heads * s.head_dim + 2 * s.hidden * s.kv_heads * s.head_dim
-    layer = attn + 3 * s.hidden * s.mlp_hidden + 2 * s.hidden
-    return s.layers * layer + 2 * s.vocab * s.hidden + s.hidden
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaParams(shape).parameters())
 
 
 def layer_matrices(shape: ModelShape) -> list[tuple[int, int]]:
