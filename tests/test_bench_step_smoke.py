@@ -5,13 +5,13 @@ shapes: one process, and two gloo ranks under torchrun (FSDP2). CUDA-graph rows 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import plot_step
 from benchmarks import step as bench
+from tests.spawn import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "scripts" / "bench_step.py"
@@ -87,8 +87,7 @@ def test_plot_png(single: Path) -> None:
 
 def test_two_gloo_ranks_fsdp2(tmp_path: Path) -> None:
     out = tmp_path / "dist.json"
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          str(BENCH), *COMMON, "--only", DIST_ONLY, "--out", str(out)])
+    _run(torchrun(2, str(BENCH), *COMMON, "--only", DIST_ONLY, "--out", str(out)))
     meta, rows = _rows(out)
     assert meta["world"] == 2 and meta["fsdp2"]
     assert rows["muon_torch"]["status"] == "unavailable"  # no DTensor support
