@@ -231,7 +231,7 @@ def test_per_head_plan_and_reference():
     assert all(m.lr_scale == pytest.approx(math.sqrt(dh / d)) for m in members)
     ref = TextbookDion3([(dh, d)] * H, lr=0.05, fraction=1.0, flavor="muon")
     blocks = list(w0.clone().split(dh))
-    for _ in range(3):
+    for step in range(3):
         grad = torch.randn(H * dh, d, generator=g)
         p.grad = grad.clone()
         opt.step()
