@@ -53,7 +53,10 @@ def resolve_options(
     its allowed values otherwise. ``name_key``/``spell`` word the messages in the caller's
     vocabulary (0.2: name='dion3'; 0.3: optimizer_name='Dion3')."""
     engine = NAMES[name]
-    say = (lambda n: repr((spell or {}).get(n, n)))
+
+    def say(n: str) -> str:  # a name in the caller's vocabulary
+        return repr((spell or {}).get(n, n))
+
     unknown = [k for k in options if k not in DION3_KEYS + PRMUON_KEYS]
     if unknown:
         raise ValueError(

@@ -1,75 +1,10 @@
-"""Host time of a replayed (CUDA-graph) optimizer step, piece by piece, on the Llama shapes of
-scripts/bench_step.py: the whole ``step()``, then each thing it does before and at the launch
-(the re-capture check, the gradient-address check, the lr/weight-decay refresh, and
-``CUDAGraph.replay()``). Each is timed with perf_counter on an idle device, 30 times.
+"""Command line of benchmarks/host_time.py (its docstring says what it does and how to run it)."""
 
-    python scripts/bench_host_time.py --model 7b --layers 8      # one GPU
-"""
-
-import argparse
-import importlib.util
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import torch
-
-
-def load_bench_step():
-    path = Path(__file__).resolve().parent / "bench_step.py"
-    spec = importlib.util.spec_from_file_location("bench_step", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="7b")
-    p.add_argument("--layers", default="8")
-    p.add_argument("--fractions", default="1,0.25")
-    p.add_argument("--repeats", type=int, default=30)
-    a = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU (it times CUDA-graph replays)")
-    bs = load_bench_step()
-    args = bs.parse_args(["--model", a.model, "--layers", a.layers])
-    device, mesh = bs.init_distributed("cuda")
-    _, shape, _ = bs.model_shape(args)
-    graph_cls, note = bs.graphed_optimizer_class()
-    if graph_cls is None:
-        sys.exit(note)
-    print(f"{torch.cuda.get_device_name(device)}, {a.model} shapes, {a.layers} layers; microseconds")
-    for fraction in (float(f) for f in a.fractions.split(",")):
-        model = bs.build_model(shape, device, mesh, 0)
-        grads = bs.GradFiller(model, device, 1)
-        options = {"flavor": "muon", "weight_decay": 0.01, "fraction": fraction, "ns_algorithm": "gram", "backend": "auto"}
-        runner = bs.make_runner(bs.BenchConfig("x", "x", "dion3", options, graph=True), model, device, graph_cls)
-        graphed = runner.step.__self__
-        for _ in range(bs.GRAPH_WARMUP + 2):  # eager warm-up, capture, one replay
-            grads.fill()
-            runner.step()
-        parts = {
-            "step()": runner.step,
-            "re-capture check": graphed._signature,
-            "gradient addresses": graphed._refresh_grads,
-            "lr / weight decay": graphed.optimizer.load_hyperparameters,
-            "CUDAGraph.replay()": graphed._graph.replay,
-        }
-        for name, fn in parts.items():
-            times = []
-            for _ in range(a.repeats):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-            print(f"f={fraction:g}  {name:20s} median {statistics.median(times):8.1f}  min {min(times):8.1f}", flush=True)
-        runner.release()
-        del runner, graphed, model, grads
-        torch.cuda.empty_cache()
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from benchmarks.host_time import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,8 @@ case $TITAN in
 esac
 VENV=${VENV:-.venv}
 LATEST=${LATEST:-0}
-if [[ -x $VENV/bin/python ]] && [[ -f $VENV/.ready ]] && $VENV/bin/python -c "import dion3_titan, torchtitan, pytest, xdist" 2>/dev/null; then
+if [[ -x $VENV/bin/python ]] && [[ -f $VENV/.ready ]] && [[ -x $VENV/bin/ruff ]] \
+    && $VENV/bin/python -c "import dion3_titan, torchtitan, pytest, xdist" 2>/dev/null; then
   exit 0
 fi
 pins=(-c "$CONSTRAINTS")
@@ -44,7 +45,7 @@ else
   "$VENV"/bin/python -m pip install -q "${pins[@]}" torch==2.13.0 triton
 fi
 "$VENV"/bin/python -m pip install -q "${pins[@]}" "torchtitan==$TORCHTITAN" tokenizers tomli datasets numpy \
-  pytest pytest-timeout pytest-xdist "${extras[@]}"
+  pytest pytest-timeout pytest-xdist ruff "${extras[@]}"
 # Built by the pinned setuptools (--build-constraint). -qq: setuptools prints a notice on every
 # editable install, whatever the project; tests/test_packaging.py builds our wheel with every
 # warning shown and fails on any.

@@ -1,13 +1,12 @@
 """A textbook Dion3 (paper Alg. 4) on full matrices, written independently of the optimizer:
-used as the single-process reference for distributed runs. Only the NS routine is shared."""
+used as the single-process reference for distributed runs. Only the NS routine is shared
+(tests/reference.py's textbook_ns)."""
 
 import math
 
 import torch
 
-from dion3_titan.kernels.torch_ops import TorchOps
-from dion3_titan.optim.config import coefficient_schedule
-from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
+from tests.reference import ns_settings_fp32, textbook_ns
 
 
 def chunk_sizes(n: int, parts: int) -> list[int]:
@@ -41,7 +40,7 @@ class TextbookDion3:
         self.chunks = chunks  # world size for local-scope selection, None for global
         self.m = [torch.zeros(s) for s in shapes]
         self.v = [torch.zeros(s[:-1]) for s in shapes]
-        self.ns = NSSettings("auto", coefficient_schedule("polar_express", 5, 1.05), (2,), torch.float32)
+        self.ns = ns_settings_fp32()
 
     def step(self, weights, grads):
         for w, g, m, v in zip(weights, grads, self.m, self.v):
@@ -55,7 +54,7 @@ class TextbookDion3:
         # FSDP shards a 3D stack along its batch of experts: each matrix stays whole
         chunks = None if self.chunks is None or batched else chunk_sizes(m.shape[0], self.chunks)
         rows = select(m, self.f, chunks)
-        o = orthogonalize(m[rows].unsqueeze(0), self.ns, TorchOps())[0].float()
+        o = textbook_ns(m[rows], self.ns)
         if self.flavor == "normuon":
             v[rows] = self.beta2 * v[rows] + (1 - self.beta2) * o.square().mean(dim=1)
             oh = o / (v[rows].sqrt() + self.eps)[:, None]

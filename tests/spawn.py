@@ -1,12 +1,16 @@
-"""Run a function on N real processes joined by a gloo process group (CPU)."""
+"""Real processes for the tests: a function on N ranks joined by a gloo process group (CPU), and
+the torchrun command and environment of the tests that launch a script."""
 
 import os
 import socket
 import sys
 import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -14,6 +18,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(nproc: int, *target: str, rank0_logs: bool = False) -> list[str]:
+    """The command that starts ``nproc`` ranks of ``target`` (a script, or ``-m module``, then its
+    arguments) under torchrun, meeting on a free port; ``rank0_logs``: only rank 0's console."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    return [*cmd, *(["--local-ranks-filter", "0"] if rank0_logs else []), *target]
+
+
+def repo_env(**extra: str) -> dict[str, str]:
+    """This environment with this checkout first on PYTHONPATH (a subprocess imports the code under
+    test, installed or not), plus ``extra``."""
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra}
 
 
 def _entry(rank: int, world: int, port: int, fn, args, errors, backend: str) -> None:

@@ -1,19 +1,20 @@
-"""Smoke test of scripts/bench_step.py (+ plot_step.py) on the CPU with tiny shapes: one
-process, and two gloo ranks under torchrun (FSDP2). CUDA-graph rows must come back
+"""Smoke test of scripts/bench_step.py (benchmarks/step.py, + plot_step.py) on the CPU with tiny
+shapes: one process, and two gloo ranks under torchrun (FSDP2). CUDA-graph rows must come back
 'unavailable' on a CPU; every other row must be timed."""
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import plot_step
+from benchmarks import step as bench
+from tests.spawn import torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "scripts" / "bench_step.py"
-PLOT = ROOT / "scripts" / "plot_step.py"
 COMMON = ["--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--strict"]
 DIST_ONLY = "adamw,muon*,dion3_f1_torch*,dion3_f1/4*"
 
@@ -34,14 +35,6 @@ def _rows(path: Path) -> tuple[dict, dict[str, dict]]:
     return data["meta"], {r["name"]: r for r in data["results"]}
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
     """One process, in this one (no second interpreter start), one CPU thread."""
@@ -51,7 +44,7 @@ def single(tmp_path_factory) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _load(BENCH, "bench_step").main([*COMMON, "--out", str(out)])
+        bench.main([*COMMON, "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     return out
@@ -63,7 +56,7 @@ def test_single_process_rows(single: Path) -> None:
     expected = {"adamw", "muon_torch", "muon", "dion3_f1_torch", "dion3_f1_torch_nomb", "dion3_f1_kernels",
                 "dion3_f1_gram", "dion3_f1/2", "dion3_f1/4"}
     assert expected | {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"} == set(rows)
-    for name, r in rows.items():
+    for r in rows.values():
         if r["graph"]:
             assert r["status"] == "unavailable", r
             continue
@@ -79,8 +72,7 @@ def test_single_process_rows(single: Path) -> None:
 
 
 def test_plot_markdown(single: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    plot = _load(PLOT, "plot_step")
-    plot.main([str(single), "--markdown"])
+    plot_step.main([str(single), "--markdown"])
     text = capsys.readouterr().out
     assert "| Configuration |" in text and "| unavailable |" in text and "CUDA graphs need a GPU" in text
     assert text.count("\n| ") >= 15  # header + 14 configurations
@@ -88,16 +80,14 @@ def test_plot_markdown(single: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_plot_png(single: Path) -> None:
     pytest.importorskip("matplotlib")
-    plot = _load(PLOT, "plot_step")
     png = single.with_suffix(".png")
-    plot.main([str(single), "-o", str(png)])
+    plot_step.main([str(single), "-o", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_two_gloo_ranks_fsdp2(tmp_path: Path) -> None:
     out = tmp_path / "dist.json"
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          str(BENCH), *COMMON, "--only", DIST_ONLY, "--out", str(out)])
+    _run(torchrun(2, str(BENCH), *COMMON, "--only", DIST_ONLY, "--out", str(out)))
     meta, rows = _rows(out)
     assert meta["world"] == 2 and meta["fsdp2"]
     assert rows["muon_torch"]["status"] == "unavailable"  # no DTensor support
@@ -127,7 +117,6 @@ def test_graph_rows_with_a_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     GraphedOptimizer, since a CPU cannot capture."""
     import torch
 
-    bench = _load(BENCH, "bench_step")
     released: list[bool] = []
 
     class StandIn:

@@ -11,6 +11,7 @@ import torch
 from dion3_titan import Dion3
 from dion3_titan.optim.config import MUON_QUINTIC, Dion3Config
 from dion3_titan.optim.routing import build_param_groups, clean_name, is_matrix
+from tests import inputs
 from tests.reference import TextbookMuon, ns_settings_fp32, textbook_ns
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,20 +22,14 @@ SHAPES = [(16, 48), (16, 48), (40, 12), (24, 24), (3, 16, 48), (2, 32, 8)]
 NAMES = ["wide", "wide2", "tall", "square", "stack", "stack_tall"]
 
 
-def _randn(shape, g: torch.Generator) -> torch.Tensor:
-    """Drawn on the CPU (the same numbers everywhere), placed on the default device (the GPU
-    copy of the engine checks sets it to CUDA)."""
-    return torch.randn(*shape, generator=g, device="cpu").to(torch.get_default_device())
-
-
 def make_params(seed: int, dtype=torch.float32, shapes=SHAPES) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((_randn(s, g) * 0.5).to(dtype)) for s in shapes]
+    return [torch.nn.Parameter((inputs.randn(s, g) * 0.5).to(dtype)) for s in shapes]
 
 
 def random_grads(step: int, shapes=SHAPES, seed: int = 100) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed * 1000 + step)
-    return [_randn(s, g) for s in shapes]
+    """This module's gradients of ``step`` (tests/inputs.py draws them)."""
+    return inputs.random_grads(seed * 1000 + step, shapes)
 
 
 def oriented(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from tests.dist_reference import TextbookDion3
+from tests.inputs import random_grads
 from tests.spawn import spawn
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,8 +30,8 @@ class Bag(nn.Module):
 
 
 def grads_for(step: int, shapes):
-    g = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(s, generator=g) * (1 + torch.rand((s[0],) + (1,) * (len(s) - 1), generator=g) * 5) for s in shapes]
+    """The distributed tests' gradients of ``step``: rows of distinct norms (tests/inputs.py)."""
+    return random_grads(1000 + step, shapes, row_scale=True)
 
 
 CONFIGS = [(1.0, "muon", "local"), (0.25, "normuon", "local"), (0.25, "muon", "global"), (1.0, "normuon", "global")]

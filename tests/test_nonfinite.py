@@ -8,7 +8,8 @@ import torch
 
 from dion3_titan import Dion3
 from dion3_titan.optim.prmuon import PeriodicRowwiseMuon
-from tests.test_dion3_core import NAMES, SHAPES, _randn, make_params, oriented, random_grads
+from tests.inputs import randn
+from tests.test_dion3_core import NAMES, SHAPES, make_params, oriented, random_grads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -19,7 +20,7 @@ BAD_STEP = 3
 def _build(cls, policy, **options):
     params = make_params(7)
     g = torch.Generator().manual_seed(8)
-    extra = [torch.nn.Parameter(_randn(s, g)) for s in ADAMW_SHAPES.values()]
+    extra = [torch.nn.Parameter(randn(s, g)) for s in ADAMW_SHAPES.values()]
     opt = cls(
         [{"params": params, "names": NAMES},
          {"params": extra, "algorithm": "adamw", "names": list(ADAMW_SHAPES), "lr": 0.01}],

@@ -9,22 +9,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dion3_titan.optim.orthogonalize import NSSettings
 from dion3_titan.optim.prmuon import STEP_KEY, PeriodicRowwiseMuon
 from dion3_titan.optim.rownorm import rownorm_shards
+from tests.inputs import random_grads
+from tests.reference import textbook_ns
 from tests.spawn import spawn
 
 MUON_ABC = (3.4445, -4.7750, 2.0315)
+# Muon's NS5 (Jordan et al.'s quintic, 5 standard steps), run by the tests' one NS reference
+NS5 = NSSettings("standard", (MUON_ABC,) * 5, restarts=(), dtype=torch.float32)
 
 
 # ------------------------------------------------------------------ the paper, written plainly
-def ns5(x: torch.Tensor) -> torch.Tensor:
-    """Muon's NS5 on a wide matrix (r <= c), as in Jordan et al.'s reference code."""
-    a, b, c = MUON_ABC
-    x = x / (x.norm() + 1e-7)
-    for _ in range(5):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x
 
 
 def rownorm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,7 +38,7 @@ def algorithm1(w0, grads, *, lr, wd, mu, period, gamma, eps):
         m = mu * m + g.reshape(m.shape)
         for b in range(w.shape[0]):
             mt = m[b] if d_out <= d_in else m[b].T  # O(M)
-            d = ns5(mt) if t % period == 0 else gamma * rownorm(mt, eps)
+            d = textbook_ns(mt, NS5) if t % period == 0 else gamma * rownorm(mt, eps)
             d = d if d_out <= d_in else d.T  # O^-1
             w[b] = (1 - lr * wd) * w[b] - lr * scale * d
     return w.reshape(w0.shape)
@@ -52,8 +49,7 @@ HYPER = dict(lr=0.05, weight_decay=0.1, momentum=0.9, rownorm_gamma=0.2, rownorm
 
 
 def _grads(shape, steps, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g) for _ in range(steps)]
+    return random_grads(seed, [shape] * steps)
 
 
 def _make(params, **over):

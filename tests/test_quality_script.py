@@ -1,37 +1,27 @@
 """CPU smoke test of the issue-9 quality scripts: a tiny corpus of real text (Python's
 language-reference topics), every optimizer run of scripts/quality_run.py in --tiny mode, and
-the results page of scripts/plot_quality.py."""
+the results page of scripts/plot_quality.py (their code: benchmarks/)."""
 
-import importlib.util
 import json
 import math
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from benchmarks import plot_quality, quality_corpus, quality_run
 
-
-def load_script(name: str) -> ModuleType:
-    """Import scripts/<name>.py (scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     root = tmp_path_factory.mktemp("quality")
     corpus = root / "corpus"
-    meta = load_script("build_quality_corpus").build_tiny(str(corpus))
+    meta = quality_corpus.build_tiny(str(corpus))
     assert meta["train_tokens"] > 10_000 and meta["val_tokens"] > 0
     out = root / "out"
-    report = load_script("quality_run").main(["--tiny", "--data", str(corpus), "--out", str(out)])
+    report = quality_run.main(["--tiny", "--data", str(corpus), "--out", str(out)])
     return report, out
 
 
@@ -83,29 +73,29 @@ def test_same_start_for_every_run(tiny_report: tuple[dict, Path]) -> None:
 def test_results_page(tiny_report: tuple[dict, Path]) -> None:
     _, out = tiny_report
     page = out / "results.md"
-    load_script("plot_quality").main([str(out / "quality.json"), "--no-plots", "--markdown", str(page)])
+    plot_quality.main([str(out / "quality.json"), "--no-plots", "--markdown", str(page)])
     text = page.read_text()
     assert "_not yet run_" not in text
     for name in tiny_report[0]["runs"]:
         assert f"| {name} |" in text
     # a filled page is a template too: refilling it gives the same page
     again = out / "again.md"
-    load_script("plot_quality").main([str(out / "quality.json"), "--no-plots", "--markdown", str(again), "--template", str(page)])
+    plot_quality.main([str(out / "quality.json"), "--no-plots", "--markdown", str(again), "--template", str(page)])
     assert again.read_text() == text
 
 
 def test_schedule_shape() -> None:
-    q = load_script("quality_run")
+    q = quality_run
     mults = [q.lr_multiplier(s, 100, 10, 0.25, 0.0) for s in range(100)]
     assert mults[0] == pytest.approx(0.1) and mults[9] == 1.0
     assert all(m == 1.0 for m in mults[10:75])
     assert mults[-1] == pytest.approx(0.0) and all(a >= b for a, b in zip(mults[75:], mults[76:]))
 
 
-@pytest.mark.skipif(not os.path.isfile(SCRIPTS.parent / "data" / "quality" / "meta.json"), reason="data/quality not built")
+@pytest.mark.skipif(not os.path.isfile(REPO / "data" / "quality" / "meta.json"), reason="data/quality not built")
 def test_built_quality_corpus_fits() -> None:
     """The GPU corpus, when built here: >= 5M training tokens, 8192 ids, <= 16 MB."""
-    folder = SCRIPTS.parent / "data" / "quality"
+    folder = REPO / "data" / "quality"
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["train_tokens"] >= 5_000_000 and meta["vocab_size"] == 8192
     assert sum(p.stat().st_size for p in folder.iterdir()) <= 16_000_000
@@ -113,7 +103,7 @@ def test_built_quality_corpus_fits() -> None:
 
 
 def test_lr_sweep_names_and_merged_reports(tiny_report: tuple[dict, Path], tmp_path: Path) -> None:
-    q = load_script("quality_run")
+    q = quality_run
     args = q.parse_args(["--tiny", "--out", str(tmp_path), "--matrix-lrs", "0.01,0.04", "--runs", "muon_plain,dion3n_f0.25"])
     assert [(r.name, r.lr) for r in q.default_runs(args)] == [
         ("muon_plain_lr0.01", 0.01), ("dion3n_f0.25_lr0.01", 0.01), ("muon_plain_lr0.04", 0.04), ("dion3n_f0.25_lr0.04", 0.04)]
@@ -128,7 +118,7 @@ def test_lr_sweep_names_and_merged_reports(tiny_report: tuple[dict, Path], tmp_p
         half = {"meta": {**report["meta"], "argv": [f"part{i}"]}, "runs": {n: report["runs"][n] for n in part}}
         halves.append(tmp_path / f"q{i}.json")
         halves[-1].write_text(json.dumps(half))
-    plot = load_script("plot_quality")
+    plot = plot_quality
     merged = plot.load(*map(str, halves))
     assert list(merged["runs"]) == names and merged["meta"]["argv_parts"] == [["part0"], ["part1"]]
     with pytest.raises(ValueError, match="more than one JSON"):
@@ -136,7 +126,7 @@ def test_lr_sweep_names_and_merged_reports(tiny_report: tuple[dict, Path], tmp_p
 
 
 def test_momentum_and_lr_tags_and_plot_subset(tiny_report: tuple[dict, Path], tmp_path: Path) -> None:
-    q = load_script("quality_run")
+    q = quality_run
     args = q.parse_args(["--tiny", "--out", str(tmp_path), "--matrix-lrs", "0.03", "--momentum", "0.7", "--runs", "dion3_f0.25"])
     assert [r.name for r in q.default_runs(args)] == ["dion3_f0.25_lr0.03_mu0.7"]
     args = q.parse_args(["--tiny", "--out", str(tmp_path), "--runs", "muon_plain"])
@@ -151,7 +141,7 @@ def test_momentum_and_lr_tags_and_plot_subset(tiny_report: tuple[dict, Path], tm
         half = {"meta": {**report["meta"], "argv": [f"part{i}"]}, "runs": {n: report["runs"][n] for n in part}}
         parts.append(tmp_path / f"p{i}.json")
         parts[-1].write_text(json.dumps(half))
-    plot = load_script("plot_quality")
+    plot = plot_quality
     first_two = tmp_path / "first_two.json"
     first_two.write_text(json.dumps(plot.load(str(parts[0]), str(parts[1]))))
     merged = plot.load(str(first_two), str(parts[2]))

@@ -12,6 +12,7 @@ import torch.nn as nn
 from dion3_titan import Dion3
 from dion3_titan.optim.split import SplitSpec, auto_split_specs, parse_spec, split_pieces, with_auto_split_specs
 from tests.dist_reference import TextbookDion3
+from tests.inputs import random_grads
 from tests.spawn import spawn
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,15 +63,8 @@ def unfuse(kind: str, fused: torch.Tensor, shapes) -> list[torch.Tensor]:
 
 
 def separate_tensors(seed: int, n_layers: int, scale_rows: bool = False) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for _, _, parts in layout(n_layers):
-        for name, shape in parts:
-            t = torch.randn(shape, generator=g)
-            if scale_rows:  # distinct row norms: a well-defined top-k
-                t = t * (1 + 5 * torch.rand(shape[:-1] + (1,), generator=g))
-            out[name] = t
-    return out
+    names, shapes = zip(*(part for _, _, parts in layout(n_layers) for part in parts))
+    return dict(zip(names, random_grads(seed, shapes, row_scale=scale_rows)))
 
 
 def fused_tensors(sep: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:

@@ -3,15 +3,13 @@ wrong type, in the TOML or an override) is reported as one line before torchtita
 launch tests run the real scripts/train_debug.sh and torchrun)."""
 
 import dataclasses
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.spawn import free_port
+from tests.spawn import repo_env, torchrun
 from tests.titan_helpers import CONFIGS, REPO, ensure_corpus, logged_losses
 
 LLAMA = CONFIGS / "llama3_debug_dion3.toml"
@@ -256,7 +254,7 @@ def _console(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    return repo_env(OMP_NUM_THREADS="1")
 
 
 @pytest.mark.slow
@@ -285,8 +283,7 @@ def test_torchrun_reports_the_one_line(tmp_path: Path, case: str) -> None:
     report (printed after it; see docs/training.md) gives the same line as the root cause."""
     ensure_corpus()
     args, line = _check_case(tmp_path, case)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "dion3_titan.train", *args, "--job.dump_folder", str(tmp_path / "out")]
+    cmd = torchrun(2, "-m", "dion3_titan.train", *args, "--job.dump_folder", str(tmp_path / "out"))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
     console = _console(proc)
     assert proc.returncode != 0

@@ -10,6 +10,7 @@ import torch
 
 from dion3_titan import Dion3
 from dion3_titan.optim.cuda_graph import GraphedOptimizer
+from tests.inputs import random_grads
 
 SEED = 0
 SHAPES = [(16, 48), (48, 16), (2, 16, 24), (48,)]
@@ -26,9 +27,8 @@ def _optimizer(params, wd=0.1):
 
 
 def _step(params, opt, step):
-    g = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    for p, g in zip(params, random_grads(100 + step, [p.shape for p in params])):
+        p.grad = g.to(p.dtype)
     opt.step()
 
 
@@ -61,16 +61,16 @@ def test_graph_signature_and_live_values():
     params = _params()
     opt = _optimizer(params)
     graphed = GraphedOptimizer(opt, warmup_steps=1)  # host logic only: nothing is captured on CPU
-    signature = graphed._signature()
+    signature = graphed.signature()
     opt.load_hyperparameters()
     assert torch.allclose(opt._hyper_all, torch.tensor([[0.05, 0.1], [0.05, 0.1]]))
 
     opt.param_groups[0]["weight_decay"] = 0.25  # matrices: read live, no re-capture
-    assert graphed._signature() == signature
+    assert graphed.signature() == signature
     opt.load_hyperparameters()  # what every replay runs first
     assert torch.allclose(opt._hyper_all[0], torch.tensor([0.05, 0.25]))
 
     opt.param_groups[1]["weight_decay"] = 0.0  # AdamW: a float in the graph, re-capture
-    assert graphed._signature() != signature
+    assert graphed.signature() != signature
     opt.load_hyperparameters()
     assert torch.allclose(opt._hyper_all[1], torch.tensor([0.05, 0.0]))

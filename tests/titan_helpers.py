@@ -7,17 +7,14 @@ to `<dump_folder>/inspect/rank<r>.json`.
 """
 
 import json
-import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.spawn import free_port
+from tests.spawn import REPO, repo_env, torchrun
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
@@ -59,14 +56,10 @@ def run_titan(
 def torchrun_inspected(target: list[str], dump_folder: Path, nproc: int, timeout: float) -> TitanRun:
     """torchrun `nproc` ranks of `target` (a script, or `-m module`, with its arguments) on gloo;
     the ranks' records are read back from `dump_folder`/inspect."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-        "--local-ranks-filter", "0", *target,
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = repo_env()
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on a 2-core CI machine
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(torchrun(nproc, *target, rank0_logs=True), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
     records = []
     for r in range(nproc):
         path = dump_folder / "inspect" / f"rank{r}.json"
@@ -87,7 +80,7 @@ def param_digest(model_parts) -> dict[str, float]:
 
 def ensure_corpus() -> Path:
     """The small offline corpus + tokenizer at its default place (built once, ~6 s)."""
-    from dion3_titan.data.build import build, default_out, is_built, DEFAULTS
+    from dion3_titan.data.build import DEFAULTS, build, default_out, is_built
 
     out = REPO / default_out("small")
     if not is_built(str(out)):

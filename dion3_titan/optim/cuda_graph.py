@@ -67,7 +67,7 @@ class GraphedOptimizer:
         """The captured step (None before the capture and after ``release``)."""
         return self._graph
 
-    def _signature(self) -> tuple:
+    def signature(self) -> tuple:
         """What a captured step bakes in: the state tensors (``state_version``; Dion3 refuses
         new param groups after construction) and the AdamW groups' constants, which torch's
         AdamW reads as Python floats. (Matrix groups read lr and weight decay live.)"""
@@ -82,7 +82,7 @@ class GraphedOptimizer:
             raise ValueError("GraphedOptimizer.step does not take a closure: compute the loss and gradients before step()")
         guard = self.optimizer.nonfinite
         guard.resolve()  # the previous replay's gradient flag: count a skipped step, or raise
-        if self._graph is not None and self._version != self._signature():
+        if self._graph is not None and self._version != self.signature():
             self.release()
         if self._graph is None and self._eager_steps < self.warmup_steps:
             self._side_stream_run(lambda: self.optimizer.step())
@@ -90,7 +90,7 @@ class GraphedOptimizer:
             return None
         if self._graph is None:
             self._capture()
-        self._refresh_grads()
+        self.refresh_grads()
         self.optimizer.load_hyperparameters()
         self._graph.replay()
         guard.issued()
@@ -129,9 +129,11 @@ class GraphedOptimizer:
         # the replayed step issues exactly the collectives the captured one did
         self.captured_comm = (opt.comm_stats.calls, opt.comm_stats.bytes)
         self._graph = graph
-        self._version = self._signature()
+        self._version = self.signature()
 
-    def _refresh_grads(self) -> None:
+    def refresh_grads(self) -> None:
+        """Point the captured step at the current gradients: copy any whose storage changed
+        since the capture (a new ``.grad`` object) into the tensors the graph reads."""
         grads = [p.grad for p in self._params]
         if all(g is held for g, held in zip(grads, self._grad_objects)):
             return  # the usual case: gradients were written in place (zero_grad keeps them)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.inputs import random_grads
 from tests.spawn import spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -22,8 +23,7 @@ def _model(device):
 
 
 def _grads(step, device):
-    g = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(s, generator=g).to(device) for s in SHAPES]
+    return [g.to(device) for g in random_grads(100 + step, SHAPES)]
 
 
 def _train(model, graphed: bool, fraction: float, flavor: str, steps: int, device, wd_changes=None):

@@ -2,15 +2,13 @@
 checkpoints, resumes exactly and exits cleanly; gpt_oss trains with its mlp1 split; torchtitan's
 own entry point (`python -m torchtitan.train`) trains with the plugin."""
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.spawn import free_port
+from tests.spawn import repo_env, torchrun
 from tests.titan_helpers import CONFIGS, REPO, ensure_corpus, logged_losses, run_titan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -93,15 +91,13 @@ def test_torchtitan_train_entry_point_with_custom_config_module(tmp_path: Path) 
     line = next(x for x in text.splitlines() if x.startswith("custom_config_module"))
     config = tmp_path / "no_module.toml"
     config.write_text(text.replace(line, ""))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torch.cuda.device_count()),
-        "--master_port", str(free_port()), "--local-ranks-filter", "0", "-m", "torchtitan.train",
+    cmd = torchrun(
+        torch.cuda.device_count(), "-m", "torchtitan.train",
         "--job.config_file", str(config), "--job.custom_config_module", "dion3_titan.job_config",
         "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "6", "--validation.no-enable",
-        "--lr_scheduler.warmup_steps", "2",
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        "--lr_scheduler.warmup_steps", "2", rank0_logs=True,
+    )
+    proc = subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "[dion3] optimizer 'dion3'" in output and "-> Dion3" in output, output[-4000:]

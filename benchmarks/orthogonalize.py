@@ -1,0 +1,229 @@
+"""Benchmark orthogonalization and the symmetric GEMM on one CUDA GPU.
+
+One run prints, per (batch x n x m) shape: plain-PyTorch Muon NS5 (bf16, bmm/baddbmm), our
+Gram NS per backend (torch, triton, cute when available) through ``orthogonalize``, the
+gram-newton-schulz package (with quack kernels) when importable, and the FLOP floor
+14n^3 + 6n^2 m per matrix at the matmul rate measured in the same run. Then the symmetric GEMM
+against cuBLAS bmm/baddbmm at batch 4, n = 2048, 4096, 8192 (k = n). Times are medians of
+``triton.testing.do_bench`` (CUDA events) after warm-up, on random inputs. A table is printed at
+the end; with $OUT set, everything is also written to $OUT/bench_orthogonalize.json.
+
+    python scripts/bench_orthogonalize.py [--sweep] [--budget-s 150] [--skip-anchor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+
+from benchmarks.output import fmt, output_path, write_json
+from benchmarks.timing import do_bench_ms as bench
+from benchmarks.timing import matmul_tflops
+from dion3_titan.kernels.dispatch import get_backend
+from dion3_titan.optim.config import MUON_QUINTIC, coefficient_schedule
+from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
+
+SHAPES = [(32, 2048, 7168), (1, 7168, 18432), (4, 4096, 11008), (8, 4096, 4096), (24, 1024, 4096), (4, 1024, 11008)]
+SYM_SIDES = (2048, 4096, 8192)
+SWEEP = [  # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)
+    (128, 64, 8, 8, 3),
+    (128, 64, 8, 8, 4),
+    (128, 64, 1, 8, 3),
+    (128, 64, 16, 8, 4),
+    (128, 32, 8, 8, 5),
+    (128, 64, 8, 4, 3),
+    (128, 128, 8, 8, 2),
+    (64, 64, 8, 4, 4),
+]
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
+    """Measured dense matmul TFLOP/s on random data (the ceiling for the floors below)."""
+    return matmul_tflops(torch.device("cuda"), dtype, batch=1, n=n, timer=bench)
+
+
+def muon_ns5(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Plain Muon Newton-Schulz in bf16 with torch.bmm/baddbmm (Jordan et al.'s quintic)."""
+    a, b, c = MUON_QUINTIC
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(torch.bfloat16)
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
+    return x.mT if tall else x
+
+
+def floor_ms(batch: int, n: int, m: int, tflops: float) -> float:
+    n, m = min(n, m), max(n, m)
+    return batch * (14 * n**3 + 6 * n**2 * m) / (tflops * 1e12) * 1e3
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def load_anchor():
+    """gram-newton-schulz with quack kernels, eager (no torch.compile: its compile time would
+    dominate one run). None if it is not importable here."""
+    try:
+        from gram_newton_schulz import GramNewtonSchulz
+
+        return GramNewtonSchulz(ns_use_kernels=True, compile_kwargs=None)
+    except Exception as exc:  # any import/setup failure just drops the anchor column
+        print(f"[anchor] gram-newton-schulz unavailable: {type(exc).__name__}: {exc}")
+        return None
+
+
+def backends(names: list[str]) -> dict[str, object]:
+    found = {}
+    for name in names:
+        try:
+            found[name] = get_backend(name)
+        except Exception as exc:  # e.g. cute without CuteDSL: drop the column, say why
+            print(f"[{name}] unavailable: {exc}")
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true", help="also time Triton tile configs")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="skip remaining work after this")
+    parser.add_argument("--skip-anchor", action="store_true")
+    parser.add_argument("--crossover", action="store_true", help="small shapes: torch vs triton Gram NS")
+    parser.add_argument("--backends", default="torch,triton,cute", help="comma-separated backends to time")
+    parser.add_argument("--parts", default="sym,ns", help="sym (GEMM vs cuBLAS), ns (orthogonalize)")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    args = parser.parse_args()
+    start = time.time()
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    result: dict = {"device": dev, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                    "triton": triton.__version__}
+    rate = {str(dt): matmul_rate(dt) for dt in (torch.bfloat16, torch.float16)}
+    result["matmul_tflops"] = rate
+    print(f"{dev}: matmul 8192^3 bf16 {rate['torch.bfloat16']:.0f} TFLOP/s, fp16 {rate['torch.float16']:.0f} TFLOP/s")
+    ops = backends(args.backends.split(","))
+    parts = args.parts.split(",")
+
+    # ---- symmetric GEMM vs cuBLAS, batch 4, (n x n) @ (n x n)^T and alpha AB + beta C
+    from dion3_titan.kernels import triton_ops
+
+    sym_rows = []
+    for n in SYM_SIDES if "sym" in parts else ():
+        x = torch.randn(4, n, n, device="cuda", dtype=torch.float16)
+        c = torch.randn(4, n, n, device="cuda", dtype=torch.float16)
+        c = (c + c.mT) / 2
+        row = {"n": n, "cublas_bmm": bench(lambda: torch.bmm(x, x.mT)),
+               "cublas_baddbmm": bench(lambda: torch.baddbmm(c, x, x.mT, beta=0.5, alpha=1.5))}
+        for name, be in ops.items():
+            if name == "torch":
+                continue
+            row[f"{name}_sym_mm"] = bench(lambda: be.sym_mm(x, x.mT))
+            row[f"{name}_sym_addmm"] = bench(lambda: be.sym_addmm(x, x.mT, c, 1.5, 0.5))
+        if args.sweep and n >= 4096:
+            for cfg in SWEEP:
+                try:
+                    row[f"triton{cfg}"] = bench(lambda: triton_ops.sym_gemm(x, x.mT, config=cfg))
+                except Exception as exc:
+                    row[f"triton{cfg}"] = f"{type(exc).__name__}"
+            if n == max(SYM_SIDES):
+                # adopt the fastest config for the rest of this run (reported; docs/kernels.md)
+                timed = {cfg: row[f"triton{cfg}"] for cfg in SWEEP if isinstance(row[f"triton{cfg}"], float)}
+                best = min(timed, key=timed.get)
+                if timed[best] < 0.97 * timed.get(triton_ops.SYM_CONFIG, float("inf")):
+                    print(f"[sweep] SYM_CONFIG {triton_ops.SYM_CONFIG} -> {best}")
+                    triton_ops.SYM_CONFIG = best
+                result["sym_config"] = list(triton_ops.SYM_CONFIG)
+        flops = 4 * 2 * n**3
+        row["cublas_tflops"] = flops / row["cublas_bmm"] / 1e9
+        for name in ops:
+            if f"{name}_sym_mm" in row:  # effective rate, counting the full GEMM's FLOPs
+                row[f"effective_tflops_{name}"] = flops / row[f"{name}_sym_mm"] / 1e9
+        print("sym", json.dumps(row))
+        sym_rows.append(row)
+        x = c = None  # the next side allocates its own
+    result["sym_gemm"] = sym_rows
+
+    # ---- orthogonalization per shape
+    coefs = coefficient_schedule("polar_express", 5, 1.05)
+    gram = NSSettings(algorithm="gram", coefficients=coefs, restarts=(2,), dtype=torch.float16)
+    std = NSSettings(algorithm="standard", coefficients=coefs, restarts=(), dtype=torch.float16)
+    anchor = None if args.skip_anchor else load_anchor()
+    ns_rows = []
+    for batch, n, m in SHAPES if "ns" in parts else ():
+        if time.time() - start > args.budget_s:
+            print(f"[budget] skipping {batch}x{n}x{m}")
+            continue
+        x = torch.randn(batch, n, m, device="cuda", dtype=torch.bfloat16)
+        row = {"shape": f"{batch}x{n}x{m}", "floor_ms": floor_ms(batch, n, m, rate["torch.float16"])}
+        row["muon_ns5_bf16"] = bench(lambda: muon_ns5(x))
+        ref = orthogonalize(x, gram, get_backend("torch"))
+        for name, be in ops.items():
+            row[f"gram_{name}"] = bench(lambda: orthogonalize(x, gram, be))
+            if name != "torch":
+                row[f"gram_{name}_vs_torch_relerr"] = rel(orthogonalize(x, gram, be), ref)
+        if "triton" in ops:
+            row["standard_triton"] = bench(lambda: orthogonalize(x, std, ops["triton"]))
+        print("ns", json.dumps(row))
+        ns_rows.append(row)
+        del x, ref
+        torch.cuda.empty_cache()
+    # the anchor last: its kernels compile on first use, which may eat the rest of the budget
+    for row in ns_rows if anchor is not None else []:
+        if time.time() - start > args.budget_s:
+            print(f"[budget] anchor skipped for {row['shape']}")
+            continue
+        batch, n, m = (int(v) for v in row["shape"].split("x"))
+        x = torch.randn(batch, n, m, device="cuda", dtype=torch.bfloat16)
+        try:
+            row["gram_newton_schulz_vs_torch_relerr"] = rel(anchor(x), orthogonalize(x, gram, get_backend("torch")))
+            row["gram_newton_schulz"] = bench(lambda: anchor(x))
+        except Exception as exc:
+            print(f"[anchor] failed on {row['shape']}: {type(exc).__name__}: {exc}")
+            break
+        print("anchor", row["shape"], row["gram_newton_schulz"])
+        del x
+    result["orthogonalize"] = ns_rows
+
+    # ---- small shapes: where a kernel backend starts to pay (dispatch.TRITON_MIN_N)
+    cross_rows = []
+    for batch, n in ((64, 256), (32, 512), (16, 768), (16, 1024), (8, 1536)) if args.crossover else ():
+        x = torch.randn(batch, n, 4 * n, device="cuda", dtype=torch.bfloat16)
+        row = {"shape": f"{batch}x{n}x{4 * n}"}
+        for name in ("torch", "triton"):
+            row[f"gram_{name}"] = bench(lambda: orthogonalize(x, gram, get_backend(name)))
+        print("cross", json.dumps(row))
+        cross_rows.append(row)
+    result["crossover"] = cross_rows
+
+    # ---- table
+    print(f"\n{dev} | matmul fp16 {rate['torch.float16']:.0f} TFLOP/s | times in ms (median)")
+    cols = ["floor_ms", "muon_ns5_bf16", "gram_torch", "gram_triton", "gram_cute", "standard_triton",
+            "gram_newton_schulz"]
+    print(f"{'shape':>14} " + " ".join(f"{c[:15]:>15}" for c in cols))
+    for row in ns_rows:
+        print(f"{row['shape']:>14} " + " ".join(
+            fmt(row.get(c), ".2f", 15) for c in cols))
+    print(f"\n{'sym n (b=4)':>14} {'cuBLAS bmm':>12} {'triton sym':>12} {'cute sym':>12} "
+          f"{'cuBLAS addmm':>12} {'triton addmm':>12} {'speedup':>8}")
+    def cell(v: object) -> str:
+        return fmt(v, ".3f", 12)
+
+    for row in sym_rows:
+        best = min((v for k, v in row.items() if k.endswith("_sym_mm")), default=float("nan"))
+        print(f"{row['n']:>14} {cell(row['cublas_bmm'])} {cell(row.get('triton_sym_mm'))} "
+              f"{cell(row.get('cute_sym_mm'))} {cell(row['cublas_baddbmm'])} "
+              f"{cell(row.get('triton_sym_addmm'))} {row['cublas_bmm'] / best:8.2f}")
+    write_json(output_path(None, f"bench_orthogonalize{args.tag}.json"), result)
+    print(f"total {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
