@@ -162,15 +162,7 @@ def test_megabatch_off_matches_the_textbook(results):
         _assert_equal(r["got"], r["want"], cfg)
 
 
-RANDOM_GLOBAL_DESYNC = pytest.mark.xfail(
-    strict=True,
-    reason="selection='random', global scope: the 3D stack (3 experts on 2 ranks) advances each rank's "
-    "generator by its local batch, so the later shape groups draw different scores on the two ranks and "
-    "select fewer than k rows of a matrix (32x32: 7 of 8, 96x24: 22 of 24)",
-)
-
-
-@pytest.mark.parametrize("scope", ["local", pytest.param("global", marks=RANDOM_GLOBAL_DESYNC)])
+@pytest.mark.parametrize("scope", ["local", "global"])
 def test_random_selection_on_two_ranks_matches_the_textbook(results, scope):
     """Each step moves exactly k rows of each FSDP chunk (local) or of each matrix (global),
     not the l1 choice, and the moved rows get the textbook update of those rows."""

@@ -6,6 +6,7 @@ scatter back -> fused update with error feedback. Groups with ``algorithm="adamw
 output head, norms, biases) run torch's AdamW inside the same optimizer.
 """
 
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -145,6 +146,7 @@ class Dion3(torch.optim.Optimizer):
             for cfg in self._configs
         ]
         self._rngs: dict[int, torch.Generator] = {}  # param group -> random selection
+        self._random_seeds: dict[int, int] = {}  # param group -> this step's base seed
         self.nonfinite = NonfiniteGuard(self.defaults["nonfinite"])  # non-finite gradients and NS results
         self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]
         self._hyper_all: torch.Tensor | None = None  # (groups, 2), the storage of those views
@@ -547,7 +549,7 @@ class Dion3(torch.optim.Optimizer):
         device = views[0].device
         n_rb, r_max = len(sg.block_rows), max(sg.block_rows)
         if cfg.selection == "random":  # same draws on every rank: a global score table
-            scores = torch.rand(sg.batch, n_rb, r_max, device=device, generator=self._rngs[sg.group_index])
+            scores = self._random_scores(sg, (sg.batch, n_rb, r_max), device)
         else:
             local = l1 if l1 is not None else torch.cat([l1_scores(v) for v in views])
             if sg.col_blocks > 1 or (cfg.selection_scope == "global" and n_rb > 1):
@@ -586,9 +588,17 @@ class Dion3(torch.optim.Optimizer):
             device = to_local(group["params"][0]).device
             gen = self._rngs.get(gi)
             if gen is None or gen.device != device:
-                gen = self._rngs[gi] = torch.Generator(device=device)
-            gen.manual_seed(cfg.seed * 1_000_003 + step)
+                self._rngs[gi] = torch.Generator(device=device)
+            self._random_seeds[gi] = cfg.seed * 1_000_003 + step
             group["selection_step"] = step + 1
+
+    def _random_scores(self, sg: ShapeGroup, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """This step's random scores of one shape group. Each group draws from its own seed
+        (the step's seed and the group's key), so every rank draws the same table for it even
+        where an earlier group's local batch differs between ranks (an unevenly sharded stack)."""
+        gen = self._rngs[sg.group_index]
+        gen.manual_seed(self._random_seeds[sg.group_index] + zlib.crc32(repr(sg.key).encode()))
+        return torch.rand(shape, device=device, generator=gen)
 
     def _adamw_step(self, gi: int, group: dict) -> None:
         """torch's fused AdamW on the local tensors (elementwise, so shards need no
