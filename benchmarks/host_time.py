@@ -37,7 +37,13 @@ def main() -> None:
     for fraction in (float(f) for f in a.fractions.split(",")):
         model = build_model(shape, device, mesh, 0)
         grads = GradFiller(model, device, 1)
-        options = {"flavor": "muon", "weight_decay": 0.01, "fraction": fraction, "ns_algorithm": "gram", "backend": "auto"}
+        options = {
+            "flavor": "muon",
+            "weight_decay": 0.01,
+            "fraction": fraction,
+            "ns_algorithm": "gram",
+            "backend": "auto",
+        }
         runner = bs.make_runner(bs.BenchConfig("x", "x", "dion3", options, graph=True), model, device, graph_cls)
         graphed = runner.step.__self__
         for _ in range(bs.GRAPH_WARMUP + 2):  # eager warm-up, capture, one replay
@@ -57,7 +63,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e6)
-            print(f"f={fraction:g}  {name:20s} median {statistics.median(times):8.1f}  min {min(times):8.1f}", flush=True)
+            print(
+                f"f={fraction:g}  {name:20s} median {statistics.median(times):8.1f}  min {min(times):8.1f}", flush=True
+            )
         runner.release()
         del runner, graphed, model, grads
         torch.cuda.empty_cache()

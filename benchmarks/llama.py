@@ -131,5 +131,3 @@ class GradFiller:
     def fill(self) -> None:
         for g in self.locals:
             g.normal_(generator=self.gen)
-
-

@@ -104,8 +104,12 @@ def main() -> None:
     start = time.time()
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
-    result: dict = {"device": dev, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                    "triton": triton.__version__}
+    result: dict = {
+        "device": dev,
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
     rate = {str(dt): matmul_rate(dt) for dt in (torch.bfloat16, torch.float16)}
     result["matmul_tflops"] = rate
     print(f"{dev}: matmul 8192^3 bf16 {rate['torch.bfloat16']:.0f} TFLOP/s, fp16 {rate['torch.float16']:.0f} TFLOP/s")
@@ -120,8 +124,11 @@ def main() -> None:
         x = torch.randn(4, n, n, device="cuda", dtype=torch.float16)
         c = torch.randn(4, n, n, device="cuda", dtype=torch.float16)
         c = (c + c.mT) / 2
-        row = {"n": n, "cublas_bmm": bench(lambda: torch.bmm(x, x.mT)),
-               "cublas_baddbmm": bench(lambda: torch.baddbmm(c, x, x.mT, beta=0.5, alpha=1.5))}
+        row = {
+            "n": n,
+            "cublas_bmm": bench(lambda: torch.bmm(x, x.mT)),
+            "cublas_baddbmm": bench(lambda: torch.baddbmm(c, x, x.mT, beta=0.5, alpha=1.5)),
+        }
         for name, be in ops.items():
             if name == "torch":
                 continue
@@ -205,22 +212,33 @@ def main() -> None:
 
     # ---- table
     print(f"\n{dev} | matmul fp16 {rate['torch.float16']:.0f} TFLOP/s | times in ms (median)")
-    cols = ["floor_ms", "muon_ns5_bf16", "gram_torch", "gram_triton", "gram_cute", "standard_triton",
-            "gram_newton_schulz"]
+    cols = [
+        "floor_ms",
+        "muon_ns5_bf16",
+        "gram_torch",
+        "gram_triton",
+        "gram_cute",
+        "standard_triton",
+        "gram_newton_schulz",
+    ]
     print(f"{'shape':>14} " + " ".join(f"{c[:15]:>15}" for c in cols))
     for row in ns_rows:
-        print(f"{row['shape']:>14} " + " ".join(
-            fmt(row.get(c), ".2f", 15) for c in cols))
-    print(f"\n{'sym n (b=4)':>14} {'cuBLAS bmm':>12} {'triton sym':>12} {'cute sym':>12} "
-          f"{'cuBLAS addmm':>12} {'triton addmm':>12} {'speedup':>8}")
+        print(f"{row['shape']:>14} " + " ".join(fmt(row.get(c), ".2f", 15) for c in cols))
+    print(
+        f"\n{'sym n (b=4)':>14} {'cuBLAS bmm':>12} {'triton sym':>12} {'cute sym':>12} "
+        f"{'cuBLAS addmm':>12} {'triton addmm':>12} {'speedup':>8}"
+    )
+
     def cell(v: object) -> str:
         return fmt(v, ".3f", 12)
 
     for row in sym_rows:
         best = min((v for k, v in row.items() if k.endswith("_sym_mm")), default=float("nan"))
-        print(f"{row['n']:>14} {cell(row['cublas_bmm'])} {cell(row.get('triton_sym_mm'))} "
-              f"{cell(row.get('cute_sym_mm'))} {cell(row['cublas_baddbmm'])} "
-              f"{cell(row.get('triton_sym_addmm'))} {row['cublas_bmm'] / best:8.2f}")
+        print(
+            f"{row['n']:>14} {cell(row['cublas_bmm'])} {cell(row.get('triton_sym_mm'))} "
+            f"{cell(row.get('cute_sym_mm'))} {cell(row['cublas_baddbmm'])} "
+            f"{cell(row.get('triton_sym_addmm'))} {row['cublas_bmm'] / best:8.2f}"
+        )
     write_json(output_path(None, f"bench_orthogonalize{args.tag}.json"), result)
     print(f"total {time.time() - start:.0f} s")
 

@@ -37,13 +37,18 @@ def load(*paths: str) -> dict:
         clash = merged["runs"].keys() & other["runs"].keys()
         if clash:
             raise ValueError(f"runs {sorted(clash)} appear in more than one JSON")
-        if other["meta"]["model"] != merged["meta"]["model"] or other["meta"]["args"]["steps"] != merged["meta"]["args"]["steps"]:
+        if (
+            other["meta"]["model"] != merged["meta"]["model"]
+            or other["meta"]["args"]["steps"] != merged["meta"]["args"]["steps"]
+        ):
             raise ValueError("the JSONs come from different setups (model or steps differ)")
         merged["runs"].update(other["runs"])
         merged["meta"]["argv_parts"] = merged["meta"].get("argv_parts", [merged["meta"]["argv"]]) + other["meta"].get(
             "argv_parts", [other["meta"]["argv"]]
         )
-        merged["meta"]["total_wall_s"] = max(merged["meta"].get("total_wall_s", 0), other["meta"].get("total_wall_s", 0))
+        merged["meta"]["total_wall_s"] = max(
+            merged["meta"].get("total_wall_s", 0), other["meta"].get("total_wall_s", 0)
+        )
     return merged
 
 
@@ -128,7 +133,8 @@ def _fmt(x: float | None, digits: int = 4) -> str:
 
 def best_adamw(report: dict) -> tuple[str, float] | None:
     scored = [
-        (n, r["final_val"]) for n, r in report["runs"].items()
+        (n, r["final_val"])
+        for n, r in report["runs"].items()
         if n.startswith("adamw") and r.get("final_val") is not None and math.isfinite(r["final_val"])
     ]
     return min(scored, key=lambda t: t[1]) if scored else None
@@ -160,29 +166,32 @@ def setup_text(report: dict) -> str:
     m = report["meta"]
     c, p, a = m["model"], m["params"], m["args"]
     corpus = m["corpus"]
-    return "\n".join([
-        f"- Model: llama3-style decoder, dim {c['dim']}, {c['n_layers']} layers, {c['n_heads']} heads "
-        f"({c['n_kv_heads']} KV heads), SwiGLU {c['ffn_dim']}, RoPE θ={c['rope_theta']:g}, untied head, "
-        f"vocab {c['vocab_size']}; {p['total'] / 1e6:.1f}M parameters, {p['matrix'] / 1e6:.1f}M in block matrices.",
-        f"- Data: {corpus.get('train_tokens', 0):,} training / {m['val_tokens']:,} validation tokens "
-        f"({corpus.get('builder', corpus.get('source'))}, BPE vocab {corpus.get('vocab_size')}, "
-        f"{corpus.get('val_percent')}% of documents held out).",
-        f"- Training: {a['steps']} steps × {m['tokens_per_step']:,} tokens (seq {c['seq_len']}), "
-        f"{m['train_tokens_per_run']:,} tokens per run ({m['epochs_per_run']} epochs), bf16 autocast, "
-        f"grad clip {a['grad_clip']}, same init and data order (seed {a['seed']}) for every run.",
-        f"- Schedule: {m['schedule']}; warmup {a['warmup']} steps.",
-        f"- Matrix optimizers: base lr per run (column \"peak lr\"; × √(d_out/d_in) except in torch.optim.Muon), "
-        f"momentum {a['momentum']}, weight decay {a['matrix_weight_decay']}; "
-        f"embeddings/head/norms: AdamW lr {a['scalar_lr']:g}, β=(0.9, 0.95), no weight decay. "
-        f"AdamW runs: weight decay {a['adamw_weight_decay']} on matrices only.",
-        f"- Validation every {a['eval_every']} steps on the same {m['val_tokens']:,} held-out tokens. "
-        f"Step-time medians skip each run's first 5 steps.",
-    ])
+    return "\n".join(
+        [
+            f"- Model: llama3-style decoder, dim {c['dim']}, {c['n_layers']} layers, {c['n_heads']} heads "
+            f"({c['n_kv_heads']} KV heads), SwiGLU {c['ffn_dim']}, RoPE θ={c['rope_theta']:g}, untied head, "
+            f"vocab {c['vocab_size']}; {p['total'] / 1e6:.1f}M parameters, {p['matrix'] / 1e6:.1f}M in block matrices.",
+            f"- Data: {corpus.get('train_tokens', 0):,} training / {m['val_tokens']:,} validation tokens "
+            f"({corpus.get('builder', corpus.get('source'))}, BPE vocab {corpus.get('vocab_size')}, "
+            f"{corpus.get('val_percent')}% of documents held out).",
+            f"- Training: {a['steps']} steps × {m['tokens_per_step']:,} tokens (seq {c['seq_len']}), "
+            f"{m['train_tokens_per_run']:,} tokens per run ({m['epochs_per_run']} epochs), bf16 autocast, "
+            f"grad clip {a['grad_clip']}, same init and data order (seed {a['seed']}) for every run.",
+            f"- Schedule: {m['schedule']}; warmup {a['warmup']} steps.",
+            f'- Matrix optimizers: base lr per run (column "peak lr"; × √(d_out/d_in) except in torch.optim.Muon), '
+            f"momentum {a['momentum']}, weight decay {a['matrix_weight_decay']}; "
+            f"embeddings/head/norms: AdamW lr {a['scalar_lr']:g}, β=(0.9, 0.95), no weight decay. "
+            f"AdamW runs: weight decay {a['adamw_weight_decay']} on matrices only.",
+            f"- Validation every {a['eval_every']} steps on the same {m['val_tokens']:,} held-out tokens. "
+            f"Step-time medians skip each run's first 5 steps.",
+        ]
+    )
 
 
 def fill_blocks(template: str, values: dict[str, str]) -> str:
     """Replace the content of every ``<!-- BEGIN:key -->...<!-- END:key -->`` block named in
     ``values``; unknown blocks are left as they are."""
+
     def repl(match: re.Match) -> str:
         key = match.group(1)
         if key not in values:
@@ -218,8 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--markdown", help="write the filled results page here")
     p.add_argument("--template", default=DEFAULT_TEMPLATE, help="page with BEGIN/END blocks")
     p.add_argument("--image-prefix", default="quality/", help="path of the PNGs as linked from the page")
-    p.add_argument("--plot-only", type=lambda v: v.split(","), default=None,
-                   help="comma-separated glob patterns of the runs to draw (default: all)")
+    p.add_argument(
+        "--plot-only",
+        type=lambda v: v.split(","),
+        default=None,
+        help="comma-separated glob patterns of the runs to draw (default: all)",
+    )
     a = p.parse_args(argv)
     report = load(*a.json)
     out = a.out or os.path.dirname(os.path.abspath(a.json[0]))

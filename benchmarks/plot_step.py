@@ -49,8 +49,10 @@ def heading(meta: dict) -> str:
     shape = meta["shape"]
     layers = f"{shape['layers']} layers"
     fsdp = " FSDP2" if meta.get("fsdp2") else ""
-    return (f"{meta['model']} ({params(meta['params'])}, {layers}) | {meta['device']} x{meta['world']}{fsdp} | "
-            f"{meta['flavor']} | median of {meta['steps']} steps")
+    return (
+        f"{meta['model']} ({params(meta['params'])}, {layers}) | {meta['device']} x{meta['world']}{fsdp} | "
+        f"{meta['flavor']} | median of {meta['steps']} steps"
+    )
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -72,12 +74,16 @@ def markdown(data: dict) -> str:
     lines = [f"### {heading(meta)}", ""]
     for note in meta.get("notes", []):
         lines.append(f"Note: {note}  ")
-    lines.append(f"Matmul rate (measured): fp16 {cell(meta['matmul_tflops_fp16'], 'auto')} TFLOP/s, "
-                 f"bf16 {cell(meta['matmul_tflops_bf16'], 'auto')} TFLOP/s; timer: {meta['timer']}; "
-                 f"torch {meta['torch']}; {meta['date']}.")
+    lines.append(
+        f"Matmul rate (measured): fp16 {cell(meta['matmul_tflops_fp16'], 'auto')} TFLOP/s, "
+        f"bf16 {cell(meta['matmul_tflops_bf16'], 'auto')} TFLOP/s; timer: {meta['timer']}; "
+        f"torch {meta['torch']}; {meta['date']}."
+    )
     lines.append("")
-    lines.append("| Configuration | CUDA graph | GPU ms (IQR) | x Muon | x AdamW | Host ms | Comm MB | "
-                 "NS TFLOP | Floor ms | Note |")
+    lines.append(
+        "| Configuration | CUDA graph | GPU ms (IQR) | x Muon | x AdamW | Host ms | Comm MB | "
+        "NS TFLOP | Floor ms | Note |"
+    )
     lines.append("|---|:-:|--:|--:|--:|--:|--:|--:|--:|---|")
     for r in rows:
         graph = "yes" if r.get("graph") else ""
@@ -112,11 +118,13 @@ def plot(datasets: list[dict], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit(f"plot_step.py: the PNG needs matplotlib ({exc}); pip install matplotlib, "
-                         "or use --markdown") from exc
+        raise SystemExit(
+            f"plot_step.py: the PNG needs matplotlib ({exc}); pip install matplotlib, or use --markdown"
+        ) from exc
     widths = [max(4.0, 0.55 * len(bars(d)) + 1.5) for d in datasets]
-    fig, axes = plt.subplots(1, len(datasets), figsize=(sum(widths), 5.5), squeeze=False,
-                             gridspec_kw={"width_ratios": widths})
+    fig, axes = plt.subplots(
+        1, len(datasets), figsize=(sum(widths), 5.5), squeeze=False, gridspec_kw={"width_ratios": widths}
+    )
     for ax, data in zip(axes[0], datasets):
         items = bars(data)
         xs = range(len(items))
@@ -140,8 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("json", nargs="+", type=Path, help="bench_step.py result files")
     p.add_argument("-o", "--output", type=Path, default=None, help="PNG path (default: next to the first JSON)")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables instead of plotting")
-    p.add_argument("--only", default="", help="comma-separated glob patterns of configuration names, e.g. "
-                   "'adamw,muon,dion3_f1_*+graph,dion3_f1/?+graph'")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated glob patterns of configuration names, e.g. "
+        "'adamw,muon,dion3_f1_*+graph,dion3_f1/?+graph'",
+    )
     args = p.parse_args(argv)
     datasets = [load(path, args.only) for path in args.json]
     if args.markdown:

@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     out = a.out or os.path.join("data", "quality_tiny" if a.tiny else "quality")
     meta = build_tiny(out) if a.tiny else build_full(out, a.source)
     print(
-        f"built {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, "
-        f"vocab {meta['vocab_size']}"
+        f"built {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, vocab {meta['vocab_size']}"
     )
 
 

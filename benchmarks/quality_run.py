@@ -96,7 +96,6 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
@@ -129,9 +128,7 @@ class Attention(nn.Module):
         # Repeat the KV heads explicitly: every SDPA backend (flash included) takes that.
         rep = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -249,7 +246,9 @@ class TrainBatches:
         return windows(self.ids, self.starts[step], self.seq_len)
 
 
-def val_batches(ids: torch.Tensor, seq_len: int, batch: int, max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def val_batches(
+    ids: torch.Tensor, seq_len: int, batch: int, max_tokens: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The fixed validation set: consecutive non-overlapping windows, up to ``max_tokens``."""
     n = min((ids.numel() - 1) // (seq_len + 1), max(1, max_tokens // seq_len))
     starts = torch.arange(n, device=ids.device) * (seq_len + 1)
@@ -336,8 +335,15 @@ def make_optimizer(spec: RunSpec, model: nn.Module, args: argparse.Namespace, fu
             {"params": matrices},
             {"params": scalars, "algorithm": "adamw", "lr": args.scalar_lr, "weight_decay": 0.0},
         ]
-        return MsDion3(groups, lr=spec.lr, mu=args.momentum, weight_decay=args.matrix_weight_decay,
-                       betas=betas, epsilon=1e-8, **spec.options)
+        return MsDion3(
+            groups,
+            lr=spec.lr,
+            mu=args.momentum,
+            weight_decay=args.matrix_weight_decay,
+            betas=betas,
+            epsilon=1e-8,
+            **spec.options,
+        )
     groups = build_param_groups(
         model.named_parameters(), adamw_lr=args.scalar_lr, adamw_betas=betas, adamw_weight_decay=0.0
     )
@@ -379,26 +385,60 @@ def default_runs(args: argparse.Namespace) -> list[RunSpec]:
         tag = f"_lr{lr:g}" if several or lr != MATRIX_LR else ""
         tag += f"_mu{args.momentum:g}" if args.momentum != MOMENTUM else ""
         if hasattr(torch.optim, "Muon"):
-            runs.append(RunSpec(f"muon_torch{tag}", "torch_muon", lr,
-                                label="torch.optim.Muon (Nesterov, NS5 Muon quintic, lr x sqrt(max(1, out/in)))"))
+            runs.append(
+                RunSpec(
+                    f"muon_torch{tag}",
+                    "torch_muon",
+                    lr,
+                    label="torch.optim.Muon (Nesterov, NS5 Muon quintic, lr x sqrt(max(1, out/in)))",
+                )
+            )
         for flavor, prefix in (("muon", "dion3"), ("normuon", "dion3n")):
             name = flavor.capitalize().replace("Normuon", "NorMuon")
             runs += [
                 # The baseline: the textbook rule (tests/test_dion3_core.py checks our engine
                 # at f=1 against it step by step) with Muon's own NS5 and lr rule sqrt(out/in).
-                RunSpec(f"{flavor}_plain{tag}", "dion3", lr, {**plain, "flavor": flavor},
-                        f"{name}: every row, standard NS5 with Muon's quintic, lr x sqrt(out/in)"),
-                RunSpec(f"{prefix}_f1_standard{tag}", "dion3", lr,
-                        {"fraction": 1.0, "ns_algorithm": "standard", "flavor": flavor},
-                        f"Dion3 ({flavor}) f=1, standard NS, Polar Express"),
-                RunSpec(f"{prefix}_f1_gram{tag}", "dion3", lr, {"fraction": 1.0, "ns_algorithm": "gram", "flavor": flavor},
-                        f"Dion3 ({flavor}) f=1, Gram NS, Polar Express"),
-                RunSpec(f"{prefix}_f{f:g}{tag}", "dion3", lr, {"fraction": f, "flavor": flavor},
-                        f"Dion3 ({flavor}) f={f:g}, lr/sqrt(f), NS auto"),
+                RunSpec(
+                    f"{flavor}_plain{tag}",
+                    "dion3",
+                    lr,
+                    {**plain, "flavor": flavor},
+                    f"{name}: every row, standard NS5 with Muon's quintic, lr x sqrt(out/in)",
+                ),
+                RunSpec(
+                    f"{prefix}_f1_standard{tag}",
+                    "dion3",
+                    lr,
+                    {"fraction": 1.0, "ns_algorithm": "standard", "flavor": flavor},
+                    f"Dion3 ({flavor}) f=1, standard NS, Polar Express",
+                ),
+                RunSpec(
+                    f"{prefix}_f1_gram{tag}",
+                    "dion3",
+                    lr,
+                    {"fraction": 1.0, "ns_algorithm": "gram", "flavor": flavor},
+                    f"Dion3 ({flavor}) f=1, Gram NS, Polar Express",
+                ),
+                RunSpec(
+                    f"{prefix}_f{f:g}{tag}",
+                    "dion3",
+                    lr,
+                    {"fraction": f, "flavor": flavor},
+                    f"Dion3 ({flavor}) f={f:g}, lr/sqrt(f), NS auto",
+                ),
             ]
-        runs.append(RunSpec(f"msdion3n_f{f:g}{tag}", "ms_dion3", lr / math.sqrt(f), {"fraction": f},
-                            f"microsoft/dion Dion3 (normuon) f={f:g}, its lr = base lr/sqrt(f)"))
-        runs.append(RunSpec(f"prmuon{tag}", "prmuon", lr, label="Periodic Row-wise Muon (defaults: K=3, gamma=0.15, NS5)"))
+        runs.append(
+            RunSpec(
+                f"msdion3n_f{f:g}{tag}",
+                "ms_dion3",
+                lr / math.sqrt(f),
+                {"fraction": f},
+                f"microsoft/dion Dion3 (normuon) f={f:g}, its lr = base lr/sqrt(f)",
+            )
+        )
+        runs.append(
+            RunSpec(f"prmuon{tag}", "prmuon", lr, label="Periodic Row-wise Muon (defaults: K=3, gamma=0.15, NS5)")
+        )
     if not args.runs:
         return [r for r in runs if r.kind != "ms_dion3"]
     wanted = args.runs.split(",")
@@ -514,6 +554,7 @@ def train_one(
 
 def summarize(result: dict, steps: int) -> dict:
     """Headline numbers; step-time medians skip the first 5 steps (kernel compiles, allocs)."""
+
     def median(xs: list[float]) -> float | None:
         tail = xs[5:] if len(xs) > 10 else xs
         return round(float(np.median(tail)), 4) if tail else None
@@ -593,9 +634,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", help="comma-separated name prefixes of the runs to do (default all)")
     p.add_argument("--adamw-lrs", type=lambda s: [float(v) for v in s.split(",")], default=[5e-4, 1e-3, 1.5e-3])
     p.add_argument("--adamw-weight-decay", type=float, default=0.1, help="AdamW runs, matrices only")
-    p.add_argument("--matrix-lrs", type=lambda s: [float(v) for v in s.split(",")], default=[MATRIX_LR],
-                   help="base lr(s) of the orthogonalized matrices; every Muon-family run per value "
-                   "(run names get an _lr suffix unless the only value is the default)")
+    p.add_argument(
+        "--matrix-lrs",
+        type=lambda s: [float(v) for v in s.split(",")],
+        default=[MATRIX_LR],
+        help="base lr(s) of the orthogonalized matrices; every Muon-family run per value "
+        "(run names get an _lr suffix unless the only value is the default)",
+    )
     p.add_argument("--matrix-weight-decay", type=float, default=0.01, help="App. D.1")
     p.add_argument("--momentum", type=float, default=MOMENTUM)
     p.add_argument("--fraction", type=float, default=0.25, help="f of the compressed Dion3 run")

@@ -71,4 +71,3 @@ def barrier(device: torch.device) -> None:
             torch.cuda.synchronize(device)
         else:
             dist.barrier()
-

@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     passes = {
         "accumulate": lambda: [rk.accumulate_scores(m, g, a, b) for m, g, a, b in zip(M, G, L1, SQ)],
         "gather": lambda: [rk.gather_rows(m, r, o) for m, r, o in zip(M, rows, O)],
-        "update": lambda: [rk.update_rows(w, m, o, s, lr, decay, 0.95, d, c)
-                           for w, m, o, s, d, c in zip(W, M, O, slots, dens, scales)],
+        "update": lambda: [
+            rk.update_rows(w, m, o, s, lr, decay, 0.95, d, c) for w, m, o, s, d, c in zip(W, M, O, slots, dens, scales)
+        ],
     }
 
     def torch_update():
@@ -85,10 +86,19 @@ def main(argv: list[str] | None = None) -> None:
         "update": torch_update,
     }
     bw = copy_gbps(torch.device(dev))
-    print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; {len(mats)} matrices, {numel / 1e9:.3f} B elements, "
-          f"f = {args.fraction}")
-    report = {"device": torch.cuda.get_device_name(), "copy_gbps": bw, "model": args.model, "layers": args.layers,
-              "fraction": args.fraction, "results": [], "best": {}}
+    print(
+        f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; {len(mats)} matrices, {numel / 1e9:.3f} B elements, "
+        f"f = {args.fraction}"
+    )
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "copy_gbps": bw,
+        "model": args.model,
+        "layers": args.layers,
+        "fraction": args.fraction,
+        "results": [],
+        "best": {},
+    }
     for kind, fn in passes.items():
         if kind not in args.kinds.split(","):
             continue

@@ -114,8 +114,15 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
     time (paper Fig. 1 / Table 5 order), each Dion3 step with and without a CUDA graph, and
     Dion3 f = 1 without megabatching (Table 1)."""
     base = {"flavor": args.flavor, "weight_decay": WEIGHT_DECAY}
-    muon = {**base, "fraction": 1.0, "ns_algorithm": "standard", "ns_coefficients": "muon",
-            "ns_dtype": "bfloat16", "backend": "torch", "megabatch": False}
+    muon = {
+        **base,
+        "fraction": 1.0,
+        "ns_algorithm": "standard",
+        "ns_coefficients": "muon",
+        "ns_dtype": "bfloat16",
+        "backend": "torch",
+        "megabatch": False,
+    }
     f1_torch = {**base, "fraction": 1.0, "ns_algorithm": "standard", "backend": "torch"}
     f1_kernels = {**f1_torch, "backend": args.kernels}
     gram = {**f1_kernels, "ns_algorithm": args.gram_algorithm}
@@ -135,8 +142,14 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
         configs.append(BenchConfig(name, label, "dion3", options))
         configs.append(BenchConfig(name + "+graph", label + " + CUDA graph", "dion3", options, graph=True))
         if name == "dion3_f1_torch":
-            configs.append(BenchConfig("dion3_f1_torch_nomb", "Dion3 f=1 torch, megabatch off (Table 1)", "dion3",
-                                       {**f1_torch, "megabatch": False}))
+            configs.append(
+                BenchConfig(
+                    "dion3_f1_torch_nomb",
+                    "Dion3 f=1 torch, megabatch off (Table 1)",
+                    "dion3",
+                    {**f1_torch, "megabatch": False},
+                )
+            )
     configs += anchor_configs(args)
     if args.only:
         patterns = args.only.split(",")
@@ -164,8 +177,14 @@ def anchor_configs(args: argparse.Namespace) -> list[BenchConfig]:
     cls = ANCHOR_CLASS[args.flavor]
     rows = [("dion_muon", f"microsoft/dion Muon ({ns})", "Muon", dict(fast))]
     for tag, f in (("f1", 1.0), ("f1/2", 0.5), ("f1/4", 0.25)):
-        rows.append((f"dion_{tag}", f"microsoft/dion {cls} {tag.replace('f', 'f=')} ({ns})", cls,
-                     {**fast, "fraction": f, "triton_post_ortho": True}))
+        rows.append(
+            (
+                f"dion_{tag}",
+                f"microsoft/dion {cls} {tag.replace('f', 'f=')} ({ns})",
+                cls,
+                {**fast, "fraction": f, "triton_post_ortho": True},
+            )
+        )
     out = []
     for name, label, cls_name, kw in rows:
         options = {"class": cls_name, **kw}
@@ -211,7 +230,9 @@ def estimate_s(cfg: BenchConfig, walls: dict[str, float]) -> float:
     """Seconds a configuration should take, from a measured twin (0 when none ran yet): a
     graph row costs what its eager row did (+10% for its longer warm-up); the extra baselines
     what the rows they extend did."""
-    twin = {"muon_torch": "muon", "dion3_f1_torch_nomb": "dion3_f1_torch"}.get(cfg.name, cfg.name.removesuffix("+graph"))
+    twin = {"muon_torch": "muon", "dion3_f1_torch_nomb": "dion3_f1_torch"}.get(
+        cfg.name, cfg.name.removesuffix("+graph")
+    )
     return 1.1 * walls.get(twin, 0.0) if twin != cfg.name else 0.0
 
 
@@ -227,8 +248,14 @@ def graphed_optimizer_class() -> tuple[type | None, str]:
 class Runner:
     """What a configuration steps: ``step()``, ``comm_stats`` (or None), ``release()``."""
 
-    def __init__(self, step: Callable[[], object], comm_stats=None, release: Callable[[], None] | None = None,
-                 ns_flops: float | None = 0.0, graph_warmup: int = 0) -> None:
+    def __init__(
+        self,
+        step: Callable[[], object],
+        comm_stats=None,
+        release: Callable[[], None] | None = None,
+        ns_flops: float | None = 0.0,
+        graph_warmup: int = 0,
+    ) -> None:
         self.step = step
         self.comm_stats = comm_stats
         self.release = release or (lambda: None)
@@ -252,8 +279,13 @@ def make_runner(cfg: BenchConfig, model: nn.Module, device: torch.device, graph_
         kw = dict(cfg.options)
         cls = getattr(dion, kw.pop("class"))
         mesh = matrices[0].device_mesh if world_size() > 1 else None  # FSDP2's mesh
-        opt = cls([{"params": matrices}, {"params": scalars, "algorithm": "adamw", "lr": ADAMW_LR}],
-                  distributed_mesh=mesh, lr=MATRIX_LR, weight_decay=WEIGHT_DECAY, **kw)
+        opt = cls(
+            [{"params": matrices}, {"params": scalars, "algorithm": "adamw", "lr": ADAMW_LR}],
+            distributed_mesh=mesh,
+            lr=MATRIX_LR,
+            weight_decay=WEIGHT_DECAY,
+            **kw,
+        )
         if not cfg.graph:
             return Runner(opt.step, ns_flops=None)
         from dion.cuda_graph import CudaGraphOptimizer
@@ -347,13 +379,17 @@ def profile_step(runner: Runner, grads: GradFiller, name: str, top: int) -> None
         runner.step()
         if on_gpu:
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=top, max_name_column_width=70)
+    table = prof.key_averages().table(
+        sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=top, max_name_column_width=70
+    )
     log(f"profile of one {name} step (top {top} by device time):\n{table}")
     if on_gpu:  # the same step by the torch ops that launched the kernels (eager steps only)
         ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.device_time_total > 0]
         ops.sort(key=lambda e: -e.device_time_total)
-        log("  device time by op (includes the kernels each launches): " + ", ".join(
-            f"{e.key} {e.device_time_total / 1e3:.2f} ms x{e.count}" for e in ops[:top]))
+        log(
+            "  device time by op (includes the kernels each launches): "
+            + ", ".join(f"{e.key} {e.device_time_total / 1e3:.2f} ms x{e.count}" for e in ops[:top])
+        )
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -375,11 +411,22 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_config(cfg: BenchConfig, model: nn.Module, grads: GradFiller, device: torch.device,
-               args: argparse.Namespace, graph_cls: type | None) -> dict:
+def run_config(
+    cfg: BenchConfig,
+    model: nn.Module,
+    grads: GradFiller,
+    device: torch.device,
+    args: argparse.Namespace,
+    graph_cls: type | None,
+) -> dict:
     """One configuration: build, warm up, time, tear down. Failures become a status + note."""
-    row: dict = {"name": cfg.name, "label": cfg.label, "kind": cfg.kind, "graph": cfg.graph,
-                 "options": dict(cfg.options)}
+    row: dict = {
+        "name": cfg.name,
+        "label": cfg.label,
+        "kind": cfg.kind,
+        "graph": cfg.graph,
+        "options": dict(cfg.options),
+    }
     warmup = max(args.warmup, GRAPH_WARMUP + 2) if cfg.graph else args.warmup
     runner = None
     ok, note, ns = True, "", None
@@ -418,9 +465,14 @@ def run_config(cfg: BenchConfig, model: nn.Module, grads: GradFiller, device: to
     q1, med, q3 = quartiles(dev_ms)
     step_comm = comm[-1] if cfg.graph else statistics.median(comm[:-1]) if comm[:-1] else 0.0
     row.update(
-        status="ok", note="comm from an eager warm-up step" if cfg.graph and step_comm else "",
-        gpu_ms=med, gpu_ms_q1=q1, gpu_ms_q3=q3, gpu_ms_all=dev_ms,
-        host_ms=statistics.median(host), comm_mb=step_comm / 1e6,
+        status="ok",
+        note="comm from an eager warm-up step" if cfg.graph and step_comm else "",
+        gpu_ms=med,
+        gpu_ms_q1=q1,
+        gpu_ms_q3=q3,
+        gpu_ms_all=dev_ms,
+        host_ms=statistics.median(host),
+        comm_mb=step_comm / 1e6,
         peak_mem_gb=(torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
     )
     return row
@@ -432,8 +484,9 @@ def ns_rate(row: dict, tflops: dict[str, float]) -> float:
     return tflops["bfloat16" if bf16 else "float16"]
 
 
-def attach_flops(rows: list[dict], flops: dict[str, float | None], tflops: dict[str, float],
-                 device: torch.device) -> None:
+def attach_flops(
+    rows: list[dict], flops: dict[str, float | None], tflops: dict[str, float], device: torch.device
+) -> None:
     """NS TFLOP of the busiest rank and its floor at the measured matmul rate (None: unknown)."""
     names = list(flops)
     worst = reduce_max([-1.0 if flops[n] is None else flops[n] for n in names], device)
@@ -469,17 +522,21 @@ def print_table(meta: dict, rows: list[dict]) -> None:
     print(f"\n{meta['title']}")
     for n in meta["notes"]:
         print(f"NOTE: {n}")
-    head = (f"{'config':<22} {'GPU ms':>9} {'IQR':>13} {'xMuon':>6} {'xAdamW':>7} {'xDion':>6} {'host ms':>8} "
-            f"{'comm MB':>8} {'NS TFLOP':>9} {'floor ms':>9} {'mem GB':>7}  note")
+    head = (
+        f"{'config':<22} {'GPU ms':>9} {'IQR':>13} {'xMuon':>6} {'xAdamW':>7} {'xDion':>6} {'host ms':>8} "
+        f"{'comm MB':>8} {'NS TFLOP':>9} {'floor ms':>9} {'mem GB':>7}  note"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         iqr = f"{r['gpu_ms_q1']:.1f}-{r['gpu_ms_q3']:.1f}" if r.get("status") == "ok" else "-"
         note = r.get("note", "") if r.get("status") == "ok" else f"[{r.get('status')}] {r.get('note', '')}"
-        print(f"{r['name']:<22} {fmt(r.get('gpu_ms'), '.2f', 9)} {iqr:>13} {fmt(r.get('x_muon'), '.2f', 6)} "
-              f"{fmt(r.get('x_adamw'), '.1f', 7)} {fmt(r.get('x_dion'), '.2f', 6)} {fmt(r.get('host_ms'), '.2f', 8)} {fmt(r.get('comm_mb'), 'auto', 8)} "
-              f"{fmt(r.get('ns_tflop'), 'auto', 9)} {fmt(r.get('floor_ms'), 'auto', 9)} "
-              f"{fmt(r.get('peak_mem_gb'), '.1f', 7)}  {note}")
+        print(
+            f"{r['name']:<22} {fmt(r.get('gpu_ms'), '.2f', 9)} {iqr:>13} {fmt(r.get('x_muon'), '.2f', 6)} "
+            f"{fmt(r.get('x_adamw'), '.1f', 7)} {fmt(r.get('x_dion'), '.2f', 6)} {fmt(r.get('host_ms'), '.2f', 8)} {fmt(r.get('comm_mb'), 'auto', 8)} "
+            f"{fmt(r.get('ns_tflop'), 'auto', 9)} {fmt(r.get('floor_ms'), 'auto', 9)} "
+            f"{fmt(r.get('peak_mem_gb'), '.1f', 7)}  {note}"
+        )
 
 
 # ----------------------------------------------------------------------------- main
@@ -490,20 +547,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="use this many layers instead of the model's")
     p.add_argument("--vocab", type=int, default=None, help="embedding/output rows (default 32000)")
     p.add_argument("--flavor", default="muon", choices=["muon", "normuon"])
-    p.add_argument("--kernels", default="auto", choices=["auto", "triton", "cute"],
-                   help="backend of the '+ kernels' rows and after")
-    p.add_argument("--gram-algorithm", default="gram", choices=["gram", "auto"],
-                   help="'auto' runs standard NS on square matrices (the paper's fallback)")
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "triton", "cute"],
+        help="backend of the '+ kernels' rows and after",
+    )
+    p.add_argument(
+        "--gram-algorithm",
+        default="gram",
+        choices=["gram", "auto"],
+        help="'auto' runs standard NS on square matrices (the paper's fallback)",
+    )
     p.add_argument("--steps", type=int, default=25, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (graph rows: at least 5)")
     p.add_argument("--only", default="", help="comma-separated glob patterns of config names")
-    p.add_argument("--budget-s", type=float, default=1e9, help="skip configurations predicted to end after this many seconds")
+    p.add_argument(
+        "--budget-s", type=float, default=1e9, help="skip configurations predicted to end after this many seconds"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strict", action="store_true", help="re-raise errors other than OOM (tests)")
     p.add_argument("--out", default=None, help="JSON file or folder (default $OUT)")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after timing each configuration, print its N costliest kernels (GPU)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing each configuration, print its N costliest kernels (GPU)",
+    )
     return p.parse_args(argv)
 
 
@@ -512,8 +584,10 @@ def model_shape(args: argparse.Namespace) -> tuple[str, ModelShape, list[str]]:
     shape = MODELS[name]
     notes = []
     if args.layers is not None and args.layers != shape.layers:
-        notes.append(f"{args.layers} of {shape.layers} layers of the {name} shapes (--layers): "
-                     "step times cover that many layers; embeddings/output are whole")
+        notes.append(
+            f"{args.layers} of {shape.layers} layers of the {name} shapes (--layers): "
+            "step times cover that many layers; embeddings/output are whole"
+        )
         shape = ModelShape(shape.hidden, args.layers, shape.heads, shape.kv_heads, shape.mlp_hidden, shape.vocab)
     if args.vocab is not None:
         shape = ModelShape(shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.mlp_hidden, args.vocab)
@@ -545,28 +619,46 @@ def main(argv: list[str] | None = None) -> None:
     tflops_bf16 = matmul_tflops(device, torch.bfloat16, *size)
     gbps = copy_gbps(device, (1 << 16) if args.tiny else (1 << 28))
     free_memory(device)
-    log(f"{describe_device(device)} x{world}: matmul fp16 {tflops:.3g} / bf16 {tflops_bf16:.3g} TFLOP/s, "
-        f"copy {gbps:.0f} GB/s")
+    log(
+        f"{describe_device(device)} x{world}: matmul fp16 {tflops:.3g} / bf16 {tflops_bf16:.3g} TFLOP/s, "
+        f"copy {gbps:.0f} GB/s"
+    )
 
     model = build_model(shape, device, mesh, args.seed)
     grads = GradFiller(model, device, args.seed + 1)
     n_params = count_params(shape)
     size = f"{n_params / 1e9:.2f}B" if n_params >= 1e7 else f"{n_params / 1e6:.2f}M"
-    title = (f"{name} ({size} params: hidden {shape.hidden}, {shape.layers} layers, "
-             f"heads {shape.heads}/{shape.kv_heads}, mlp {shape.mlp_hidden}, vocab {shape.vocab}) | "
-             f"{describe_device(device)} x{world}{' FSDP2' if world > 1 else ''} | flavor {args.flavor} | "
-             f"median of {args.steps} steps, ms")
+    title = (
+        f"{name} ({size} params: hidden {shape.hidden}, {shape.layers} layers, "
+        f"heads {shape.heads}/{shape.kv_heads}, mlp {shape.mlp_hidden}, vocab {shape.vocab}) | "
+        f"{describe_device(device)} x{world}{' FSDP2' if world > 1 else ''} | flavor {args.flavor} | "
+        f"median of {args.steps} steps, ms"
+    )
     log(title)
     for n in notes:
         log(f"NOTE: {n}")
     meta = {
-        "title": title, "notes": notes, "model": name, "shape": shape.__dict__, "params": n_params,
-        "device": describe_device(device), "world": world, "fsdp2": world > 1, "flavor": args.flavor,
-        "kernels": args.kernels, "gram_algorithm": args.gram_algorithm, "steps": args.steps,
-        "warmup": args.warmup, "matmul_tflops_fp16": tflops, "matmul_tflops_bf16": tflops_bf16,
-        "copy_gbps": gbps, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+        "title": title,
+        "notes": notes,
+        "model": name,
+        "shape": shape.__dict__,
+        "params": n_params,
+        "device": describe_device(device),
+        "world": world,
+        "fsdp2": world > 1,
+        "flavor": args.flavor,
+        "kernels": args.kernels,
+        "gram_algorithm": args.gram_algorithm,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "matmul_tflops_fp16": tflops,
+        "matmul_tflops_bf16": tflops_bf16,
+        "copy_gbps": gbps,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
         "timer": "cuda events" if device.type == "cuda" else "perf_counter (cpu)",
-        "graph_warmup_steps": GRAPH_WARMUP, "complete": False,
+        "graph_warmup_steps": GRAPH_WARMUP,
+        "complete": False,
     }
     path = output_path(args.out, f"bench_step_{name}_{args.flavor}_w{world}.json") if rank() == 0 else None
 
@@ -577,14 +669,31 @@ def main(argv: list[str] | None = None) -> None:
     for cfg in sorted(configs, key=run_priority):
         why = unavailable_reason(cfg, device, graph_note)
         if why:
-            rows.append({"name": cfg.name, "label": cfg.label, "kind": cfg.kind, "graph": cfg.graph,
-                         "options": cfg.options, "status": "unavailable", "note": why})
+            rows.append(
+                {
+                    "name": cfg.name,
+                    "label": cfg.label,
+                    "kind": cfg.kind,
+                    "graph": cfg.graph,
+                    "options": cfg.options,
+                    "status": "unavailable",
+                    "note": why,
+                }
+            )
             continue
         expected_end = time.time() - t_start + estimate_s(cfg, walls)
         if not all_ranks_true(expected_end < args.budget_s, device):
-            rows.append({"name": cfg.name, "label": cfg.label, "kind": cfg.kind, "graph": cfg.graph,
-                         "options": cfg.options, "status": "skipped",
-                         "note": f"would end after --budget-s {args.budget_s:.0f} (at ~{expected_end:.0f} s)"})
+            rows.append(
+                {
+                    "name": cfg.name,
+                    "label": cfg.label,
+                    "kind": cfg.kind,
+                    "graph": cfg.graph,
+                    "options": cfg.options,
+                    "status": "skipped",
+                    "note": f"would end after --budget-s {args.budget_s:.0f} (at ~{expected_end:.0f} s)",
+                }
+            )
             log(f"  {cfg.name:<22} skipped (budget)")
             continue
         t_cfg = time.time()
@@ -593,8 +702,10 @@ def main(argv: list[str] | None = None) -> None:
         flops[cfg.name] = row.pop("_ns_flops", None)
         rows.append(row)
         write_json(path, {"meta": meta, "results": rows})  # partial results survive a later crash
-        log(f"  {cfg.name:<22} {row['status']:<6} {fmt(row.get('gpu_ms'), '.2f', 9)} ms "
-            f"({row['wall_s']:.0f} s) {row.get('note', '')}")
+        log(
+            f"  {cfg.name:<22} {row['status']:<6} {fmt(row.get('gpu_ms'), '.2f', 9)} ms "
+            f"({row['wall_s']:.0f} s) {row.get('note', '')}"
+        )
     order = [c.name for c in configs]
     rows.sort(key=lambda r: order.index(r["name"]))
     attach_flops(rows, flops, {"float16": tflops, "bfloat16": tflops_bf16}, device)

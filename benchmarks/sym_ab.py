@@ -48,8 +48,10 @@ def main() -> None:
         c = (c + c.mT) / 2
         for name, mod in [("baseline", base), ("current", current)]:
             y = mod.sym_gemm_tma(x, x.mT)
-            print(f"{name} L={L} n={n}: symmetric {torch.equal(y, y.mT)}, "
-                  f"lower = current's {torch.equal(y.tril(), current.sym_gemm_tma(x, x.mT).tril())}")
+            print(
+                f"{name} L={L} n={n}: symmetric {torch.equal(y, y.mT)}, "
+                f"lower = current's {torch.equal(y.tril(), current.sym_gemm_tma(x, x.mT).tril())}"
+            )
         cases = [("cublas_bmm", None, lambda m: torch.bmm(x, x.mT))]
         for label, fn in [
             ("tma", lambda m: m.sym_gemm_tma(x, x.mT)),
@@ -60,7 +62,9 @@ def main() -> None:
         for label, rev, fn in cases:
             mod = base if rev == "baseline" else current
             runs = [do_bench_ms(lambda: fn(mod), rep=300, return_mode="mean") for _ in range(args.reps)]
-            rows.append({"L": L, "n": n, "kernel": label, "revision": rev, "ms": statistics.median(runs), "ms_runs": runs})
+            rows.append(
+                {"L": L, "n": n, "kernel": label, "revision": rev, "ms": statistics.median(runs), "ms_runs": runs}
+            )
             print(f"L={L:3d} n={n:5d} {label:10s} {rev or '':9s} {rows[-1]['ms']:.3f} ms", flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     write_json(output_path(None, "bench_sym_ab.json"), {**meta, "rows": rows})

@@ -63,8 +63,9 @@ def graph_ms(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def matmul_tflops(device: torch.device, dtype: torch.dtype, batch: int = 4, n: int = 8192,
-                  timer: Timer | None = None) -> float:
+def matmul_tflops(
+    device: torch.device, dtype: torch.dtype, batch: int = 4, n: int = 8192, timer: Timer | None = None
+) -> float:
     """Measured dense (batch x n x n) matmul rate on random data: the ceiling for the NS floors.
     ``timer``: median_ms on ``device`` unless given."""
     if device.type == "cpu":

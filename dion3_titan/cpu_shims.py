@@ -129,8 +129,9 @@ def _moe_permute_indices_cpu() -> None:
     moe_utils.generate_permute_indices = generate_on_cpu
 
 
-def dense_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float | None,
-                         enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_flex_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float | None, enable_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention's function computed densely: the block mask's `mask_mod` evaluated on the
     full (query, key) grid, softmax in (at least) float32; returns (output, log-sum-exp)."""
     from torch.nn.attention.flex_attention import create_mask
@@ -160,12 +161,21 @@ def _flex_attention_dense() -> None:
     if getattr(flex, "_dion3_shim", False):
         return
 
-    def flex_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any = None,
-                           scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
-                           **kwargs: Any) -> Any:
+    def flex_attention_cpu(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        block_mask: Any = None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        return_lse: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         if q.device.type != "cpu":
-            return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                        return_lse=return_lse, **kwargs)
+            return flex(
+                q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, **kwargs
+            )
         if kwargs.get("score_mod") is not None:
             raise NotImplementedError("dion3_titan CPU shim: FlexAttention score_mod is not supported on CPU")
         out, lse = dense_flex_attention(q, k, v, block_mask, scale, enable_gqa)

@@ -48,9 +48,7 @@ class OptimizerMetrics:
         if not measure:
             opt.step()
             return
-        cuda = torch.cuda.is_available() and any(
-            to_local(p).is_cuda for g in d.param_groups for p in g["params"]
-        )
+        cuda = torch.cuda.is_available() and any(to_local(p).is_cuda for g in d.param_groups for p in g["params"])
         d.comm_stats.reset()
         d.measure_updates = True
         d.update_sumsq, d.update_numel = {}, {}

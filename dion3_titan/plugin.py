@@ -32,7 +32,6 @@ from dion3_titan.optim.dion3 import Dion3
 from dion3_titan.optim.routing import build_param_groups
 from dion3_titan.optim.split import with_auto_split_specs
 
-
 EXTENSION = "dion3_titan.job_config"
 # torchtitan's defaults of the keys our extension redeclares as unset (None): AdamW's values
 _TITAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig) if f.name in ("lr", "weight_decay")}
@@ -95,7 +94,9 @@ def wrap_metrics_builder(original: Callable | None) -> Callable:
                 ours.update(container.collect_metrics())
                 container.align_step(step)
             if ours:  # the console line; TensorBoard/W&B get them through extra_metrics
-                logger.info(f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/'):]}={v:.4g}" for k, v in ours.items()))
+                logger.info(
+                    f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/') :]}={v:.4g}" for k, v in ours.items())
+                )
             return log(step, *a, extra_metrics={**extra, **ours}, **k)
 
         processor.log = log_with_optimizer
@@ -131,7 +132,9 @@ class Dion3OptimizersContainer(OptimizersContainer):
         self._post_init(all_params, {"lr": lr, **options})
         self._log_routing(cfg.name, optimizer_cls.__name__)
         self._runners = self._step_runners(cfg)
-        self._metrics = [OptimizerMetrics(r) for r in self._runners] if getattr(cfg, "optimizer_metrics", None) else None
+        self._metrics = (
+            [OptimizerMetrics(r) for r in self._runners] if getattr(cfg, "optimizer_metrics", None) else None
+        )
         self._step = 0
         _LIVE.add(self)
 

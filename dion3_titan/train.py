@@ -41,7 +41,9 @@ def _write_torchelastic_error_file(message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    record = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    record = {
+        "message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+    }
     with open(path, "w") as f:
         json.dump(record, f)
 

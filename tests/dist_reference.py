@@ -36,7 +36,15 @@ class TextbookDion3:
     NorMuon; W *= 1 - lr' wd; W[S] -= lr * scale * O; M[S] *= mu (lr' = lr / sqrt(f))."""
 
     def __init__(self, shapes, *, lr, fraction, flavor, momentum=0.95, beta2=0.95, wd=0.0, eps=1e-8, chunks=None):
-        self.lr, self.f, self.flavor, self.mu, self.beta2, self.wd, self.eps = lr, fraction, flavor, momentum, beta2, wd, eps
+        self.lr, self.f, self.flavor, self.mu, self.beta2, self.wd, self.eps = (
+            lr,
+            fraction,
+            flavor,
+            momentum,
+            beta2,
+            wd,
+            eps,
+        )
         self.chunks = chunks  # world size for local-scope selection, None for global
         self.m = [torch.zeros(s) for s in shapes]
         self.v = [torch.zeros(s[:-1]) for s in shapes]

@@ -23,7 +23,15 @@ def free_port() -> int:
 def torchrun(nproc: int, *target: str, rank0_logs: bool = False) -> list[str]:
     """The command that starts ``nproc`` ranks of ``target`` (a script, or ``-m module``, then its
     arguments) under torchrun, meeting on a free port; ``rank0_logs``: only rank 0's console."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+    ]
     return [*cmd, *(["--local-ranks-filter", "0"] if rank0_logs else []), *target]
 
 
@@ -62,7 +70,9 @@ def spawn(world: int, fn, *args, backend: str = "gloo") -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, errors, backend), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(
+            _entry, args=(world, free_port(), fn, args, errors, backend), nprocs=world, join=True, start_method="spawn"
+        )
     except Exception as exc:
         detail = errors.get() if not errors.empty() else ""
         raise AssertionError(f"distributed run failed:\n{detail}") from exc

@@ -53,9 +53,20 @@ def single(tmp_path_factory) -> Path:
 def test_single_process_rows(single: Path) -> None:
     meta, rows = _rows(single)
     assert meta["world"] == 1 and meta["model"] == "tiny" and meta["complete"]
-    expected = {"adamw", "muon_torch", "muon", "dion3_f1_torch", "dion3_f1_torch_nomb", "dion3_f1_kernels",
-                "dion3_f1_gram", "dion3_f1/2", "dion3_f1/4"}
-    assert expected | {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"} == set(rows)
+    expected = {
+        "adamw",
+        "muon_torch",
+        "muon",
+        "dion3_f1_torch",
+        "dion3_f1_torch_nomb",
+        "dion3_f1_kernels",
+        "dion3_f1_gram",
+        "dion3_f1/2",
+        "dion3_f1/4",
+    }
+    assert expected | {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"} == set(
+        rows
+    )
     for r in rows.values():
         if r["graph"]:
             assert r["status"] == "unavailable", r

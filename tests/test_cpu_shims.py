@@ -19,8 +19,9 @@ def test_dense_flex_attention_matches_flex_and_masked_sdpa() -> None:
     dense = FlexAttentionWrapper._compiled_flex_attn
     gen = torch.Generator().manual_seed(7)
     batch, heads, kv_heads, length, dim = 2, 6, 2, 40, 16
-    q, k, v = (torch.randn(batch, h, length, dim, generator=gen, dtype=torch.float64)
-               for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(batch, h, length, dim, generator=gen, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)
+    )
     mask = create_block_mask(_sliding_window, batch, None, length, length, device="cpu")
 
     with torch.no_grad():  # FlexAttention itself runs on CPU without autograd

@@ -52,7 +52,12 @@ def test_f1_equals_textbook(flavor, lr_rule):
     ref_bias = torch.nn.Parameter(bias.detach().clone())
     opt = Dion3(
         [{"params": params, "names": NAMES}, {"params": [bias], "algorithm": "adamw", "names": ["bias"]}],
-        lr=lr, fraction=1.0, flavor=flavor, momentum=mu, weight_decay=wd, lr_rule=lr_rule,
+        lr=lr,
+        fraction=1.0,
+        flavor=flavor,
+        momentum=mu,
+        weight_decay=wd,
+        lr_rule=lr_rule,
         ns_dtype="float32",
     )
     ref = TextbookMuon(ref_params, lr=lr, momentum=mu, weight_decay=wd, lr_rule=lr_rule, flavor=flavor)
@@ -74,8 +79,13 @@ def test_f1_equals_textbook(flavor, lr_rule):
         if flavor == "normuon":
             v = opt.state[p]["variance"]
             v = v.to_local() if hasattr(v, "to_local") else v
-            torch.testing.assert_close(v.reshape(ref.v[NAMES.index(name)].shape).float(),
-                                       ref.v[NAMES.index(name)], rtol=1e-5, atol=1e-9, msg=name)
+            torch.testing.assert_close(
+                v.reshape(ref.v[NAMES.index(name)].shape).float(),
+                ref.v[NAMES.index(name)],
+                rtol=1e-5,
+                atol=1e-9,
+                msg=name,
+            )
     torch.testing.assert_close(bias.detach(), ref_bias.detach(), rtol=1e-6, atol=1e-7)
 
 
@@ -114,8 +124,7 @@ def test_fraction_updates_exactly_k_rows(flavor, fraction):
     lr, mu = 0.02, 0.9
     shapes, names = SHAPES + [(25, 60)], NAMES + ["rows25"]
     params = make_params(1, shapes=shapes)
-    opt = Dion3(params, lr=lr, fraction=fraction, flavor=flavor, momentum=mu, weight_decay=0.0,
-                ns_dtype="float32")
+    opt = Dion3(params, lr=lr, fraction=fraction, flavor=flavor, momentum=mu, weight_decay=0.0, ns_dtype="float32")
     settings = ns_settings_fp32()
     for t in range(4):
         grads = random_grads(t, shapes, seed=7)
@@ -243,7 +252,11 @@ def test_state_dict_resume_is_bit_exact(flavor, fraction, dtype, selection):
         bias = torch.nn.Parameter(data[-1].clone())
         opt = Dion3(
             [{"params": mats, "names": NAMES}, {"params": [bias], "algorithm": "adamw"}],
-            lr=0.02, fraction=fraction, flavor=flavor, selection=selection, weight_decay=0.01,
+            lr=0.02,
+            fraction=fraction,
+            flavor=flavor,
+            selection=selection,
+            weight_decay=0.01,
         )
         return mats + [bias], opt
 
@@ -368,9 +381,9 @@ def _wrap(name: str, how: str) -> str:
     if how == "compile":
         return "_orig_mod." + name
     if how == "checkpoint" and name.startswith("layers.0."):  # torchtitan wraps each block
-        return "layers.0._checkpoint_wrapped_module." + name[len("layers.0."):]
+        return "layers.0._checkpoint_wrapped_module." + name[len("layers.0.") :]
     if how == "both" and name.startswith("layers.0."):
-        return "_orig_mod.layers.0._checkpoint_wrapped_module." + name[len("layers.0."):]
+        return "_orig_mod.layers.0._checkpoint_wrapped_module." + name[len("layers.0.") :]
     return ("_orig_mod." + name) if how == "both" else name
 
 
@@ -395,7 +408,10 @@ def test_build_param_groups_routes_llama_names(how):
 
 
 def test_routing_helpers():
-    assert clean_name("_orig_mod.layers.3._checkpoint_wrapped_module.attention.wq.weight") == "layers.3.attention.wq.weight"
+    assert (
+        clean_name("_orig_mod.layers.3._checkpoint_wrapped_module.attention.wq.weight")
+        == "layers.3.attention.wq.weight"
+    )
     assert is_matrix("layers.0.moe.experts.w3", torch.empty(2, 4, 4))
     assert not is_matrix("layers.0.attention.wq.weight", torch.empty(4))  # 1D
     assert not is_matrix("layers.0.x", torch.empty(2, 2, 2, 2))  # 4D
@@ -482,7 +498,10 @@ def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
 # ------------------------------------------------------------------------------ torch.optim.Muon
 # torch's adjust_lr_fn and our lr_rule that give every shape the same multiplier: "original" is
 # sqrt(max(1, d_out/d_in)), which "spectral" equals for tall and square matrices only.
-TORCH_LR_RULES = {"match_rms_adamw": ("rms", [(16, 48), (40, 12), (24, 24)]), "original": ("spectral", [(40, 12), (24, 24)])}
+TORCH_LR_RULES = {
+    "match_rms_adamw": ("rms", [(16, 48), (40, 12), (24, 24)]),
+    "original": ("spectral", [(40, 12), (24, 24)]),
+}
 
 
 def _displacement_vs_torch_muon(adjust_lr_fn: str, coefficients) -> float:
@@ -492,8 +511,19 @@ def _displacement_vs_torch_muon(adjust_lr_fn: str, coefficients) -> float:
     start = make_params(3, shapes=shapes)
     ours = [torch.nn.Parameter(p.detach().clone()) for p in start]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in start]
-    opt = Dion3(ours, lr=0.02, fraction=1.0, flavor="muon", momentum=0.95, weight_decay=0.1, lr_rule=lr_rule,
-                ns_algorithm="standard", ns_coefficients=coefficients, ns_dtype="bfloat16", backend="torch")
+    opt = Dion3(
+        ours,
+        lr=0.02,
+        fraction=1.0,
+        flavor="muon",
+        momentum=0.95,
+        weight_decay=0.1,
+        lr_rule=lr_rule,
+        ns_algorithm="standard",
+        ns_coefficients=coefficients,
+        ns_dtype="bfloat16",
+        backend="torch",
+    )
     ref = torch.optim.Muon(theirs, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=False, adjust_lr_fn=adjust_lr_fn)
     for t in range(10):
         for a, b, g in zip(ours, theirs, random_grads(t, shapes, seed=5)):

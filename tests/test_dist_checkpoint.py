@@ -22,8 +22,14 @@ def _build():
     fully_shard(model)
     params = list(model.parameters())
     opt = Dion3(
-        [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}], lr=0.05, fraction=0.25,
-        flavor="normuon", selection_scope="global", ns_dtype="float32", weight_decay=0.1, backend="torch",
+        [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
+        lr=0.05,
+        fraction=0.25,
+        flavor="normuon",
+        selection_scope="global",
+        ns_dtype="float32",
+        weight_decay=0.1,
+        backend="torch",
     )
     return model, params, opt
 

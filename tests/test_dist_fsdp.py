@@ -50,8 +50,14 @@ def _run(world, fraction, flavor, scope, n_layers, steps, shapes=SHAPES, device=
     fully_shard(model)
     params = list(model.parameters())
     opt = Dion3(
-        [{"params": params}], lr=0.05, fraction=fraction, flavor=flavor, selection_scope=scope,
-        ns_dtype="float32", weight_decay=0.1, backend=backend,
+        [{"params": params}],
+        lr=0.05,
+        fraction=fraction,
+        flavor=flavor,
+        selection_scope=scope,
+        ns_dtype="float32",
+        weight_decay=0.1,
+        backend=backend,
     )
     calls = []
     for step in range(steps):
@@ -61,8 +67,9 @@ def _run(world, fraction, flavor, scope, n_layers, steps, shapes=SHAPES, device=
         opt.step()
         calls.append((opt.comm_stats.calls, opt.comm_stats.bytes))
     final = [p.full_tensor().cpu() for p in params]
-    ref = TextbookDion3(shapes, lr=0.05, fraction=fraction, flavor=flavor, wd=0.1,
-                        chunks=None if scope == "global" else world)
+    ref = TextbookDion3(
+        shapes, lr=0.05, fraction=fraction, flavor=flavor, wd=0.1, chunks=None if scope == "global" else world
+    )
     weights = [w.clone() for w in full0]
     for step in range(steps):
         ref.step(weights, grads_for(step, shapes))
@@ -117,11 +124,22 @@ def _fsdp_vs_one_process(rank, world, configs, out_path):
 
     results = []
     for fraction, flavor in configs:
-        opts = dict(lr=0.05, fraction=fraction, flavor=flavor, selection_scope="global", ns_dtype="float32",
-                    weight_decay=0.1, backend="torch")
+        opts = dict(
+            lr=0.05,
+            fraction=fraction,
+            flavor=flavor,
+            selection_scope="global",
+            ns_dtype="float32",
+            weight_decay=0.1,
+            backend="torch",
+        )
         sharded, plain, cols = Bag(1, TALL), Bag(1, TALL), Bag(1, TALL)
         fully_shard(sharded)
-        params, plain_params, cols_params = list(sharded.parameters()), list(plain.parameters()), list(cols.parameters())
+        params, plain_params, cols_params = (
+            list(sharded.parameters()),
+            list(plain.parameters()),
+            list(cols.parameters()),
+        )
         shapes = [tuple(p.shape) for p in plain_params]
         # the side the old world-size-dependent rule took on one process: the guard
         opts_cols = {**opts, "selection_dim": "cols"}
@@ -133,10 +151,19 @@ def _fsdp_vs_one_process(rank, world, configs, out_path):
             opt.step()
             plain_opt.step()
             cols_opt.step()
-        variance = [(opt.state[p]["variance"].full_tensor(), plain_opt.state[q]["variance"])
-                    for p, q in zip(params, plain_params) if flavor == "normuon"]
-        results.append(([p.full_tensor() for p in params], [q.detach() for q in plain_params], variance,
-                        [c.detach() for c in cols_params]))
+        variance = [
+            (opt.state[p]["variance"].full_tensor(), plain_opt.state[q]["variance"])
+            for p, q in zip(params, plain_params)
+            if flavor == "normuon"
+        ]
+        results.append(
+            (
+                [p.full_tensor() for p in params],
+                [q.detach() for q in plain_params],
+                variance,
+                [c.detach() for c in cols_params],
+            )
+        )
     if rank == 0:
         torch.save(results, out_path)
 
@@ -153,6 +180,10 @@ def test_fsdp_equals_one_process_on_tall_matrices(tmp_path):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (config, name, (a - b).abs().max())
         for name, (a, b) in zip(TALL, variance):
             assert a.shape == b.shape, (config, name, a.shape, b.shape)
-            assert torch.allclose(a, b, rtol=1e-4, atol=1e-9), (config, name, ((a - b).abs() / b.abs().clamp(min=1e-12)).max())
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-9), (
+                config,
+                name,
+                ((a - b).abs() / b.abs().clamp(min=1e-12)).max(),
+            )
         if config[0] < 1:  # selecting columns is another algorithm (so this test can fail)
             assert (by_cols[0] - want[0]).abs().max() > 1e-3, config

@@ -24,8 +24,17 @@ def _run(megabatch, fraction, flavor, scope):
     shapes = [tuple(p.shape) for p in model.parameters()]
     fully_shard(model)
     params = list(model.parameters())
-    opt = Dion3([{"params": params}], lr=0.05, fraction=fraction, flavor=flavor, selection_scope=scope,
-                ns_dtype="float32", weight_decay=0.1, backend="torch", megabatch=megabatch)
+    opt = Dion3(
+        [{"params": params}],
+        lr=0.05,
+        fraction=fraction,
+        flavor=flavor,
+        selection_scope=scope,
+        ns_dtype="float32",
+        weight_decay=0.1,
+        backend="torch",
+        megabatch=megabatch,
+    )
     for step in range(STEPS):
         for p, g in zip(params, grads_for(step, shapes)):
             p.grad = distribute_tensor(g, p.device_mesh, p.placements)
@@ -51,5 +60,8 @@ def test_megabatch_off_gives_the_same_update(tmp_path):
         bitwise = all(torch.equal(a, b) for a, b in zip(on["final"], off["final"]))
         for name, a, b in zip([f"{n}{i}" for i in range(3) for n in SHAPES], on["final"], off["final"]):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (cfg, name, (a - b).abs().max())
-        print(cfg, "bitwise equal" if bitwise else "equal to rounding",
-              f"groups {on['groups']} -> {off['groups']}, collectives {on['calls']} -> {off['calls']}")
+        print(
+            cfg,
+            "bitwise equal" if bitwise else "equal to rounding",
+            f"groups {on['groups']} -> {off['groups']}, collectives {on['calls']} -> {off['calls']}",
+        )

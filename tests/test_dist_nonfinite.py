@@ -29,10 +29,19 @@ def _build(mode):
     mats = [(n, p) for n, p in named if p.ndim >= 2]
     vecs = [(n, p) for n, p in named if p.ndim < 2]
     params = [p for _, p in mats + vecs]
-    opt = Dion3([{"params": [p for _, p in mats], "names": [n for n, _ in mats]},
-                 {"params": [p for _, p in vecs], "names": [n for n, _ in vecs], "algorithm": "adamw"}],
-                lr=0.05, fraction=0.25, flavor="normuon", weight_decay=0.1, ns_dtype="float32",
-                nonfinite=mode, backend="torch")
+    opt = Dion3(
+        [
+            {"params": [p for _, p in mats], "names": [n for n, _ in mats]},
+            {"params": [p for _, p in vecs], "names": [n for n, _ in vecs], "algorithm": "adamw"},
+        ],
+        lr=0.05,
+        fraction=0.25,
+        flavor="normuon",
+        weight_decay=0.1,
+        ns_dtype="float32",
+        nonfinite=mode,
+        backend="torch",
+    )
     return params, opt, len(mats), len(vecs)
 
 
@@ -59,8 +68,9 @@ def _worker(rank, world, mode, path, out_path):
 
     def snapshot(params, opt):
         """Every parameter, then every state tensor of every parameter (local shards, bits)."""
-        return [_bits(p) for p in params] + [_bits(v) if hasattr(v, "to_local") else v.clone()
-                                             for p in params for v in opt.state[p].values()]
+        return [_bits(p) for p in params] + [
+            _bits(v) if hasattr(v, "to_local") else v.clone() for p in params for v in opt.state[p].values()
+        ]
 
     for s in range(2):
         set_grads(params, s)
@@ -89,8 +99,16 @@ def _worker(rank, world, mode, path, out_path):
         if path == "deferred":
             ref_opt.nonfinite.resolve()
         as_if_never = [torch.equal(a, b) for a, b in zip(after, snapshot(ref_params, ref_opt))]
-    torch.save({"messages": messages, "same": same, "same_after": same_after, "skipped": opt.skipped_steps,
-                "as_if_never": as_if_never}, f"{out_path}.{rank}")
+    torch.save(
+        {
+            "messages": messages,
+            "same": same,
+            "same_after": same_after,
+            "skipped": opt.skipped_steps,
+            "as_if_never": as_if_never,
+        },
+        f"{out_path}.{rank}",
+    )
 
 
 @pytest.mark.parametrize("path", ["eager", "deferred"])

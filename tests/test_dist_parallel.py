@@ -45,8 +45,14 @@ def _train(model, opt, steps, rank):
 def _check(rank, world, model, init, grads, cfg, out):
     fraction, flavor, scope = cfg
     final = [p.full_tensor() for p in model.parameters()]
-    ref = TextbookDion3([w.shape for w in init], lr=0.05, fraction=fraction, flavor=flavor, wd=0.1,
-                        chunks=None if scope == "global" else 2)
+    ref = TextbookDion3(
+        [w.shape for w in init],
+        lr=0.05,
+        fraction=fraction,
+        flavor=flavor,
+        wd=0.1,
+        chunks=None if scope == "global" else 2,
+    )
     weights = [w.clone() for w in init]
     for g in grads:
         ref.step(weights, g)
@@ -58,8 +64,17 @@ def _dion3(params, cfg):
     from dion3_titan import Dion3
 
     fraction, flavor, scope = cfg
-    return Dion3([{"params": list(params)}], lr=0.05, fraction=fraction, flavor=flavor, selection_scope=scope,
-                 ns_dtype="float32", weight_decay=0.1, backend="torch", selection_dim="rows")
+    return Dion3(
+        [{"params": list(params)}],
+        lr=0.05,
+        fraction=fraction,
+        flavor=flavor,
+        selection_scope=scope,
+        ns_dtype="float32",
+        weight_decay=0.1,
+        backend="torch",
+        selection_dim="rows",
+    )
 
 
 def _hsdp_worker(rank, world, cfg, out):
@@ -84,9 +99,16 @@ def _tp_worker(rank, world, cfg, out):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = Block()
     init = [p.detach().clone() for p in model.parameters()]
-    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "gate": ColwiseParallel(),
-                                            "down": RowwiseParallel(),
-                                            "sq": ColwiseParallel(output_layouts=Replicate())})
+    parallelize_module(
+        model,
+        mesh["tp"],
+        {
+            "up": ColwiseParallel(),
+            "gate": ColwiseParallel(),
+            "down": RowwiseParallel(),
+            "sq": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     fully_shard(model, mesh=mesh["dp"])
     opt = _dion3(model.parameters(), cfg)
     grads = _train(model, opt, 4, rank // 2)  # the same batch on both TP ranks

@@ -66,8 +66,16 @@ def _tensor_parallel(fraction, flavor):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     model = Block()
     init = [p.detach().clone() for p in model.parameters()]
-    parallelize_module(model, mesh, {"up": ColwiseParallel(), "gate": ColwiseParallel(), "down": RowwiseParallel(),
-                                     "sq": ColwiseParallel(output_layouts=Replicate())})
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "up": ColwiseParallel(),
+            "gate": ColwiseParallel(),
+            "down": RowwiseParallel(),
+            "sq": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     opt = _dion3(model.parameters(), fraction=fraction, flavor=flavor, selection_scope="local")
     grads = _train(model, opt, STEPS, 0)  # the same batch on both TP ranks
     rowwise = [p.placements[0].dim == 1 for p in model.parameters()]
@@ -113,8 +121,13 @@ def _no_megabatch(fraction, flavor, scope):
         for p, g in zip(params, grads_for(step, shapes)):
             p.grad = distribute_tensor(g, p.device_mesh, p.placements)
         opt.step()
-    want = _textbook(init, [grads_for(s, shapes) for s in range(STEPS)], None if scope == "global" else 2,
-                     fraction=fraction, flavor=flavor)
+    want = _textbook(
+        init,
+        [grads_for(s, shapes) for s in range(STEPS)],
+        None if scope == "global" else 2,
+        fraction=fraction,
+        flavor=flavor,
+    )
     return {"got": [p.full_tensor() for p in params], "want": want, "groups": len(opt._groups)}
 
 

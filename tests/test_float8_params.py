@@ -34,8 +34,15 @@ def compare(flavor: str, backend: str) -> None:
     for wrap in (False, True):
         params = _params(wrap)
         names = [f"layers.0.w{i}.weight" for i in range(len(params))]
-        opt = Dion3([{"params": params, "names": names}], lr=0.02, fraction=0.5, flavor=flavor,
-                    ns_dtype="float32", weight_decay=0.1, backend=backend)
+        opt = Dion3(
+            [{"params": params, "names": names}],
+            lr=0.02,
+            fraction=0.5,
+            flavor=flavor,
+            ns_dtype="float32",
+            weight_decay=0.1,
+            backend=backend,
+        )
         gen = torch.Generator().manual_seed(11)
         for _ in range(3):
             for p in params:
@@ -58,8 +65,14 @@ def test_float8_wrapped_weights_update_like_plain_ones(flavor: str) -> None:
 def test_float8_wrapped_weights_through_the_triton_update() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-m", "tests.test_float8_params"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.test_float8_params"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "ok triton" in run.stdout
 

@@ -46,9 +46,7 @@ def _run_checks(seed: int) -> list[dict]:
         ij = triton_ops.tile_order(side, group)
         expected = {(i, j) for i in range(side) for j in range(i + 1)}
         got = [tuple(p) for p in ij.tolist()]
-        results.append(
-            {"check": "tiles", "case": f"side={side},group={group}", "ok": sorted(got) == sorted(expected)}
-        )
+        results.append({"check": "tiles", "case": f"side={side},group={group}", "ok": sorted(got) == sorted(expected)})
 
     for L, n, k, config in SYM_CASES:
         for dtype in (torch.float16, torch.bfloat16):
@@ -97,8 +95,11 @@ def _run_checks(seed: int) -> list[dict]:
                     done = triton_ops.sym_gemm_tma(a, b, c, alpha, beta, config=tma_config, out=out)
                     fresh = triton_ops.sym_gemm_tma(a, b, c, alpha, beta, config=tma_config)  # allocates
                     results.append(
-                        {"check": "tma_alloc", "case": f"L={L},n={n},{dtype},{layout},c={with_c}",
-                         "ok": fresh is not None and torch.equal(fresh, out)}
+                        {
+                            "check": "tma_alloc",
+                            "case": f"L={L},n={n},{dtype},{layout},c={with_c}",
+                            "ok": fresh is not None and torch.equal(fresh, out),
+                        }
                     )
                     results.append(
                         {
@@ -180,7 +181,11 @@ def _run_checks(seed: int) -> list[dict]:
     # float32 products are not tensor-core work: they go to torch at full precision
     a = torch.randn(2, 20, 12)
     results.append(
-        {"check": "fp32_fallback", "case": "fp32", "ok": bool(torch.equal(ops.sym_mm(a, a.mT), TorchOps().sym_mm(a, a.mT)))}
+        {
+            "check": "fp32_fallback",
+            "case": "fp32",
+            "ok": bool(torch.equal(ops.sym_mm(a, a.mT), TorchOps().sym_mm(a, a.mT))),
+        }
     )
     return results
 

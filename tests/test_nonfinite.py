@@ -22,9 +22,15 @@ def _build(cls, policy, **options):
     g = torch.Generator().manual_seed(8)
     extra = [torch.nn.Parameter(randn(s, g)) for s in ADAMW_SHAPES.values()]
     opt = cls(
-        [{"params": params, "names": NAMES},
-         {"params": extra, "algorithm": "adamw", "names": list(ADAMW_SHAPES), "lr": 0.01}],
-        lr=0.02, weight_decay=0.1, nonfinite=policy, ns_dtype="float32", **options,
+        [
+            {"params": params, "names": NAMES},
+            {"params": extra, "algorithm": "adamw", "names": list(ADAMW_SHAPES), "lr": 0.01},
+        ],
+        lr=0.02,
+        weight_decay=0.1,
+        nonfinite=policy,
+        ns_dtype="float32",
+        **options,
     )
     opt.track_selection()  # the selection stamps and their step counter are state too
     return opt
@@ -233,8 +239,10 @@ def test_captured_step_drops_a_nonfinite_ns_result(monkeypatch):
     for name, p, q in zip(NAMES, opt.param_groups[0]["params"], clean.param_groups[0]["params"]):
         assert torch.isfinite(p).all(), name
         same = [torch.equal(a, b) for a, b in zip(oriented(p.detach()), oriented(q.detach()))]
-        decayed = [torch.allclose(a, b * decay, rtol=1e-6, atol=0)
-                   for a, b in zip(oriented(p.detach()), oriented(start[name].detach()))]
+        decayed = [
+            torch.allclose(a, b * decay, rtol=1e-6, atol=0)
+            for a, b in zip(oriented(p.detach()), oriented(start[name].detach()))
+        ]
         moved += [(name, i) for i, (s, d) in enumerate(zip(same, decayed)) if not s]
         assert all(s or d for s, d in zip(same, decayed)), name
     assert len(moved) == 1, moved  # exactly the corrupted matrix differs from the clean run

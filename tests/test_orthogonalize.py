@@ -7,6 +7,7 @@ import torch
 
 from dion3_titan.kernels.torch_ops import TorchOps
 from dion3_titan.optim.config import POLAR_EXPRESS, Dion3Config, coefficient_schedule
+from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
 from dion3_titan.optim.orthogonalize import (
     NSSettings,
     _normalize,
@@ -16,7 +17,6 @@ from dion3_titan.optim.orthogonalize import (
     orthogonalize,
     standard_newton_schulz,
 )
-from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
 from tests.reference import ns_polynomial_via_svd
 
 pytestmark = pytest.mark.timeout(120)
@@ -175,7 +175,9 @@ def _with_tiny_directions(g: torch.Generator) -> torch.Tensor:
     n, m = 16, 64
     u, _ = torch.linalg.qr(torch.randn(4, n, n, generator=g, dtype=torch.float64))
     v, _ = torch.linalg.qr(torch.randn(4, m, n, generator=g, dtype=torch.float64))
-    s = torch.cat([torch.logspace(0, -2, n - 3, dtype=torch.float64), torch.tensor([1e-3, 3e-4, 1e-4], dtype=torch.float64)])
+    s = torch.cat(
+        [torch.logspace(0, -2, n - 3, dtype=torch.float64), torch.tensor([1e-3, 3e-4, 1e-4], dtype=torch.float64)]
+    )
     return (u * s) @ v.mT
 
 
@@ -282,7 +284,9 @@ def test_polar_express_schedule_and_safety_factor():
     for t, (a, b, c) in enumerate(coeffs):
         a0, b0, c0 = POLAR_EXPRESS[min(t, len(POLAR_EXPRESS) - 1)]
         x = 0.37
-        assert abs((a * x + b * x**3 + c * x**5) - (a0 * (x / 1.05) + b0 * (x / 1.05) ** 3 + c0 * (x / 1.05) ** 5)) < 1e-12
+        assert (
+            abs((a * x + b * x**3 + c * x**5) - (a0 * (x / 1.05) + b0 * (x / 1.05) ** 3 + c0 * (x / 1.05) ** 5)) < 1e-12
+        )
     assert coefficient_schedule("muon", 3, 1.0) == ((3.4445, -4.7750, 2.0315),) * 3
 
 

@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_wheel_builds_without_warnings(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (proc.stdout + proc.stderr).splitlines()

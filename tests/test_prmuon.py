@@ -80,8 +80,14 @@ def test_matches_algorithm1(period, algorithm):
     tol = 1e-6 if algorithm == "standard" else 1e-5  # Gram NS: same polynomial, other rounding
     for (name, w), p in zip(w0.items(), params):
         ref = algorithm1(
-            w, grads[name], lr=HYPER["lr"], wd=HYPER["weight_decay"], mu=HYPER["momentum"],
-            period=period, gamma=HYPER["rownorm_gamma"], eps=HYPER["rownorm_eps"],
+            w,
+            grads[name],
+            lr=HYPER["lr"],
+            wd=HYPER["weight_decay"],
+            mu=HYPER["momentum"],
+            period=period,
+            gamma=HYPER["rownorm_gamma"],
+            eps=HYPER["rownorm_eps"],
         )
         torch.testing.assert_close(p.detach(), ref, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
 
@@ -292,7 +298,14 @@ def test_sharded_matches_single_process_with_one_all_reduce_per_rownorm_step(tmp
 
 # 2D mesh (dp, tp): rows of a matrix split by dp, by tp, or by both (the (16, 4) stack of two
 # Shard(0)); a replicated dp dim; an expert stack.
-MESH2D_CASES = [((6, 10), "S0 S1"), ((12, 4), "S0 S1"), ((16, 4), "S0 S0"), ((8, 8), "S1 S0"), ((4, 12), "R S0"), ((3, 8, 4), "S0 S1")]
+MESH2D_CASES = [
+    ((6, 10), "S0 S1"),
+    ((12, 4), "S0 S1"),
+    ((16, 4), "S0 S0"),
+    ((8, 8), "S1 S0"),
+    ((4, 12), "R S0"),
+    ((3, 8, 4), "S0 S1"),
+]
 
 
 def _placements(code: str) -> list:

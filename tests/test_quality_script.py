@@ -31,9 +31,20 @@ def test_every_run_has_finite_losses(tiny_report: tuple[dict, Path]) -> None:
         saved = json.load(f)
     assert saved["runs"].keys() == report["runs"].keys()
     names = set(saved["runs"])
-    expected = {"adamw_lr0.0005", "adamw_lr0.001", "adamw_lr0.0015", "muon_plain", "dion3_f1_standard",
-                "dion3_f1_gram", "dion3_f0.25", "normuon_plain", "dion3n_f1_standard", "dion3n_f1_gram",
-                "dion3n_f0.25", "prmuon"}
+    expected = {
+        "adamw_lr0.0005",
+        "adamw_lr0.001",
+        "adamw_lr0.0015",
+        "muon_plain",
+        "dion3_f1_standard",
+        "dion3_f1_gram",
+        "dion3_f0.25",
+        "normuon_plain",
+        "dion3n_f1_standard",
+        "dion3n_f1_gram",
+        "dion3n_f0.25",
+        "prmuon",
+    }
     assert expected <= names
     steps = saved["meta"]["args"]["steps"]
     for name, run in saved["runs"].items():
@@ -104,9 +115,15 @@ def test_built_quality_corpus_fits() -> None:
 
 def test_lr_sweep_names_and_merged_reports(tiny_report: tuple[dict, Path], tmp_path: Path) -> None:
     q = quality_run
-    args = q.parse_args(["--tiny", "--out", str(tmp_path), "--matrix-lrs", "0.01,0.04", "--runs", "muon_plain,dion3n_f0.25"])
+    args = q.parse_args(
+        ["--tiny", "--out", str(tmp_path), "--matrix-lrs", "0.01,0.04", "--runs", "muon_plain,dion3n_f0.25"]
+    )
     assert [(r.name, r.lr) for r in q.default_runs(args)] == [
-        ("muon_plain_lr0.01", 0.01), ("dion3n_f0.25_lr0.01", 0.01), ("muon_plain_lr0.04", 0.04), ("dion3n_f0.25_lr0.04", 0.04)]
+        ("muon_plain_lr0.01", 0.01),
+        ("dion3n_f0.25_lr0.01", 0.01),
+        ("muon_plain_lr0.04", 0.04),
+        ("dion3n_f0.25_lr0.04", 0.04),
+    ]
     assert q.default_runs(args)[1].options == {"fraction": 0.25, "flavor": "normuon"}
 
     # runs split over two JSONs (two GPUs) plot as one report; a run in both is refused
@@ -127,7 +144,9 @@ def test_lr_sweep_names_and_merged_reports(tiny_report: tuple[dict, Path], tmp_p
 
 def test_momentum_and_lr_tags_and_plot_subset(tiny_report: tuple[dict, Path], tmp_path: Path) -> None:
     q = quality_run
-    args = q.parse_args(["--tiny", "--out", str(tmp_path), "--matrix-lrs", "0.03", "--momentum", "0.7", "--runs", "dion3_f0.25"])
+    args = q.parse_args(
+        ["--tiny", "--out", str(tmp_path), "--matrix-lrs", "0.03", "--momentum", "0.7", "--runs", "dion3_f0.25"]
+    )
     assert [r.name for r in q.default_runs(args)] == ["dion3_f0.25_lr0.03_mu0.7"]
     args = q.parse_args(["--tiny", "--out", str(tmp_path), "--runs", "muon_plain"])
     assert [r.name for r in q.default_runs(args)] == ["muon_plain"]  # defaults: no tag

@@ -69,12 +69,15 @@ def _checks(seed: int) -> list[dict]:
                     l1 = torch.full((B, R), float("nan"))
                     sq = torch.full((B, R), float("nan"))
                     rk.accumulate_scores(m, g, l1, sq)
-                    out.append({
-                        "check": "accumulate", "case": f"{dtype},{B}x{R}x{C},{layout},g={with_g}",
-                        "bitwise": bool(torch.equal(m, ref)),
-                        "l1_err": rel(l1, l1_scores(ref)),
-                        "sq_err": rel(sq, ref.double().square().sum(-1)),
-                    })
+                    out.append(
+                        {
+                            "check": "accumulate",
+                            "case": f"{dtype},{B}x{R}x{C},{layout},g={with_g}",
+                            "bitwise": bool(torch.equal(m, ref)),
+                            "l1_err": rel(l1, l1_scores(ref)),
+                            "sq_err": rel(sq, ref.double().square().sum(-1)),
+                        }
+                    )
 
     # (b) gather + normalize + cast, into a poisoned (N, K, C_out) buffer
     for B, R, C, K, C_out in [(2, 37, 300, 11, 300), (3, 16, 40, 6, 48), (1, 9, 130, 9, 130)]:
@@ -86,7 +89,11 @@ def _checks(seed: int) -> list[dict]:
                 den = torch.rand(B) + 0.5
                 dest_t = layout == "transposed" and mode == "every"
                 K_eff = max(K, n)
-                dest = torch.full((B, C_out, K_eff), float("nan")).half().mT if dest_t else torch.full((B, K_eff, C_out), float("nan")).half()
+                dest = (
+                    torch.full((B, C_out, K_eff), float("nan")).half().mT
+                    if dest_t
+                    else torch.full((B, K_eff, C_out), float("nan")).half()
+                )
                 rk.gather_rows(m, rows, dest, keep=keep, denominator=den, active=mode != "inactive")
                 picked = m if rows is None else take_rows(m, rows)
                 if keep is not None:
@@ -95,10 +102,14 @@ def _checks(seed: int) -> list[dict]:
                     picked = torch.zeros_like(picked)
                 padded = torch.nn.functional.pad(picked, (0, C_out - C, 0, K_eff - n))
                 ref = torch.div(padded, den[:, None, None], out=torch.empty_like(padded, dtype=torch.float16))
-                out.append({
-                    "check": "gather", "case": f"{B}x{R}x{C}->{K_eff}x{C_out},{layout},{mode}",
-                    "bitwise": bool(torch.equal(dest, ref)), "finite": bool(torch.isfinite(dest).all()),
-                })
+                out.append(
+                    {
+                        "check": "gather",
+                        "case": f"{B}x{R}x{C}->{K_eff}x{C_out},{layout},{mode}",
+                        "bitwise": bool(torch.equal(dest, ref)),
+                        "finite": bool(torch.isfinite(dest).all()),
+                    }
+                )
 
     # engine.pack's normalization: the reference's x / (||x||_F + eps), from the row sums
     for layout, m in _views(torch.float32, 2, 30, 64).items():
@@ -120,8 +131,11 @@ def _checks(seed: int) -> list[dict]:
                     kk = R if every else k
                     w = _views(dtype, B, R, C)[layout]
                     mom = _views(torch.float32, B, R, C)[layout]
-                    rows = torch.arange(R).expand(B, R) if every else torch.stack(
-                        [torch.randperm(R)[:kk].sort().values for _ in range(B)]).reshape(B, kk)
+                    rows = (
+                        torch.arange(R).expand(B, R)
+                        if every
+                        else torch.stack([torch.randperm(R)[:kk].sort().values for _ in range(B)]).reshape(B, kk)
+                    )
                     valid = torch.rand(B, kk) > 0.4 if mode == "valid" else None
                     upd = torch.randn(B, kk, C + 3).half()[..., :C]  # a padded result, sliced
                     lr, decay, mu = torch.tensor(0.0173), torch.tensor(0.98), 0.95
@@ -146,10 +160,13 @@ def _checks(seed: int) -> list[dict]:
                     ok = torch.tensor(mode != "skip")
                     slot = None if every else engine.slots(rows, valid, R)
                     engine.update(w, mom, upd, slot, lr, decay, mu, den, scale, ok if mode == "skip" else None, void)
-                    out.append({
-                        "check": "update", "case": f"{dtype},{B}x{R}x{C},k={kk},{layout},{mode}",
-                        "bitwise": bool(torch.equal(w, w_ref) and torch.equal(mom, m_ref)),
-                    })
+                    out.append(
+                        {
+                            "check": "update",
+                            "case": f"{dtype},{B}x{R}x{C},k={kk},{layout},{mode}",
+                            "bitwise": bool(torch.equal(w, w_ref) and torch.equal(mom, m_ref)),
+                        }
+                    )
 
     # NorMuon factors against update.normuon_normalize
     for K, C in [(12, 80), (7, 33)]:
@@ -180,13 +197,22 @@ def _step_checks() -> list[dict]:
                 finals, used = [], []
                 for fused in (True, False):
                     torch.manual_seed(5)
-                    params = [torch.nn.Parameter(torch.randn(48, 80) * 0.02),
-                              torch.nn.Parameter(torch.randn(2, 40, 24) * 0.02),
-                              torch.nn.Parameter(torch.randn(48, 80) * 0.02)]
+                    params = [
+                        torch.nn.Parameter(torch.randn(48, 80) * 0.02),
+                        torch.nn.Parameter(torch.randn(2, 40, 24) * 0.02),
+                        torch.nn.Parameter(torch.randn(48, 80) * 0.02),
+                    ]
                     # NS on torch in both runs (the interpreter's GEMMs are slow); the engine on or off
                     start = [p.detach().clone() for p in params]
-                    opt = Dion3([{"params": params}], lr=0.02, fraction=fraction, flavor=flavor,
-                                weight_decay=0.1, backend="torch", selection_dim=selection_dim)
+                    opt = Dion3(
+                        [{"params": params}],
+                        lr=0.02,
+                        fraction=fraction,
+                        flavor=flavor,
+                        weight_decay=0.1,
+                        backend="torch",
+                        selection_dim=selection_dim,
+                    )
                     runs_on, update = engine.runs_on, engine.update
                     engine.runs_on = lambda backend, p, on=fused: on
                     calls = []
@@ -200,11 +226,19 @@ def _step_checks() -> list[dict]:
                         engine.runs_on, engine.update = runs_on, update
                     used.append(bool(calls) == fused)
                     # what the steps changed (the weights themselves would hide a wrong update)
-                    finals.append([p.detach() - p0 for p, p0 in zip(params, start)]
-                                  + [opt.state[p]["momentum"].clone() for p in params])
+                    finals.append(
+                        [p.detach() - p0 for p, p0 in zip(params, start)]
+                        + [opt.state[p]["momentum"].clone() for p in params]
+                    )
                 err = max(((a - b).norm() / b.norm()).item() for a, b in zip(*finals))
-                out.append({"check": "step", "case": f"{flavor},f={fraction},{selection_dim}", "err": err,
-                            "engine_used": all(used)})
+                out.append(
+                    {
+                        "check": "step",
+                        "case": f"{flavor},f={fraction},{selection_dim}",
+                        "err": err,
+                        "engine_used": all(used),
+                    }
+                )
     return out
 
 
@@ -224,8 +258,12 @@ def _nonfinite_checks() -> list[dict]:
     engine.update = lambda *a, **kw: (calls.append(1), update(*a, **kw))
     try:
         # both flavors, both fractions and both paths, in four runs
-        for flavor, fraction, captured in [("muon", 0.25, False), ("normuon", 0.25, True),
-                                           ("normuon", 1.0, False), ("muon", 1.0, True)]:
+        for flavor, fraction, captured in [
+            ("muon", 0.25, False),
+            ("normuon", 0.25, True),
+            ("normuon", 1.0, False),
+            ("muon", 1.0, True),
+        ]:
             opt = _build(Dion3, "skip", flavor=flavor, fraction=fraction, backend="torch")
             for step in range(BAD_STEP):
                 _set_grads(opt, step)
@@ -239,8 +277,14 @@ def _nonfinite_checks() -> list[dict]:
                 opt.step()
             after = _snapshot(opt)
             same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-            out.append({"check": "nonfinite", "case": f"{flavor},f={fraction},captured={captured}",
-                        "ok": same, "engine_used": bool(calls)})
+            out.append(
+                {
+                    "check": "nonfinite",
+                    "case": f"{flavor},f={fraction},captured={captured}",
+                    "ok": same,
+                    "engine_used": bool(calls),
+                }
+            )
     finally:
         engine.runs_on, engine.update = runs_on, update
     return out
@@ -250,7 +294,9 @@ def _nonfinite_checks() -> list[dict]:
 @pytest.fixture(scope="module")
 def results(module_seed: int) -> list[dict]:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, str(module_seed)], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(module_seed)], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

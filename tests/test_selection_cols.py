@@ -30,8 +30,16 @@ def _normuon(o: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def test_cols_selection_matches_float64_reference(flavor):
     g = torch.Generator().manual_seed(SEED)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
-    opt = Dion3(params, lr=LR, fraction=FRACTION, flavor=flavor, momentum=MU, ns_dtype="float32",
-                backend="torch", selection_dim="cols")
+    opt = Dion3(
+        params,
+        lr=LR,
+        fraction=FRACTION,
+        flavor=flavor,
+        momentum=MU,
+        ns_dtype="float32",
+        backend="torch",
+        selection_dim="cols",
+    )
     coefficients = Dion3Config().coefficients()
     # float64 reference of each step from the optimizer's state before it (weights, momentum
     # and NorMuon's per-column moment), so that float32 rounding does not accumulate
@@ -61,8 +69,9 @@ def test_cols_selection_matches_float64_reference(flavor):
                     o = hat.T
                 want = old[b].double()
                 want[:, cols] -= scale * o
-                torch.testing.assert_close(got[b].double(), want, rtol=1e-4, atol=1e-5,
-                                           msg=lambda s: f"seed {SEED} step {step} param {i}: {s}")
+                torch.testing.assert_close(
+                    got[b].double(), want, rtol=1e-4, atol=1e-5, msg=lambda s: f"seed {SEED} step {step} param {i}: {s}"
+                )
                 rest = torch.ones(m, dtype=torch.bool)
                 rest[cols] = False
                 assert torch.equal(mom[b][:, rest], acc[b][:, rest])  # unselected: M + G exactly

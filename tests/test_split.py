@@ -36,12 +36,26 @@ def layout(n_layers: int = 2) -> list[tuple[str, str, list[tuple[str, tuple[int,
     for i in range(n_layers):
         L = f"layers.{i}"
         out += [
-            (f"{L}.attention.wqkv.weight", "cat",
-             [(f"{L}.attention.wq.weight", (Q, D)), (f"{L}.attention.wk.weight", (KV, D)), (f"{L}.attention.wv.weight", (KV, D))]),
+            (
+                f"{L}.attention.wqkv.weight",
+                "cat",
+                [
+                    (f"{L}.attention.wq.weight", (Q, D)),
+                    (f"{L}.attention.wk.weight", (KV, D)),
+                    (f"{L}.attention.wv.weight", (KV, D)),
+                ],
+            ),
             (f"{L}.attention.wo.weight", "whole", [(f"{L}.attention.wo.weight", (D, Q))]),
-            (f"{L}.feed_forward.w13.weight", "cat", [(f"{L}.feed_forward.w1.weight", (FFN, D)), (f"{L}.feed_forward.w3.weight", (FFN, D))]),
-            (f"{L}.moe.experts.mlp1_weight", "interleave",
-             [(f"{L}.moe.experts.gate", (EXPERTS, FFN // 2, D)), (f"{L}.moe.experts.up", (EXPERTS, FFN // 2, D))]),
+            (
+                f"{L}.feed_forward.w13.weight",
+                "cat",
+                [(f"{L}.feed_forward.w1.weight", (FFN, D)), (f"{L}.feed_forward.w3.weight", (FFN, D))],
+            ),
+            (
+                f"{L}.moe.experts.mlp1_weight",
+                "interleave",
+                [(f"{L}.moe.experts.gate", (EXPERTS, FFN // 2, D)), (f"{L}.moe.experts.up", (EXPERTS, FFN // 2, D))],
+            ),
             # 18 rows: FSDP chunks of 9 or 5 rows start on odd rows, so local gate rows start at 1
             (f"{L}.mix.weight", "interleave", [(f"{L}.mix.g", (9, D)), (f"{L}.mix.u", (9, D))]),
             (f"{L}.attn2.wq.weight", "cat", [(f"{L}.attn2.head{h}", (HEAD_DIM, D)) for h in range(HEADS)]),
@@ -116,12 +130,20 @@ def train(tensors: dict, options: dict, steps: int, grads_fn, mode: str = "local
             d = distribute_tensor(t, mesh, _placements_2d(name, t.ndim), src_data_rank=None)
             setattr(model, f"p{i}", nn.Parameter(d))
     params = list(model.parameters())
-    opt = Dion3([{"params": params, "names": model.names}], lr=0.05, weight_decay=0.1, ns_dtype="float32",
-                backend="torch", **options)
+    opt = Dion3(
+        [{"params": params, "names": model.names}],
+        lr=0.05,
+        weight_decay=0.1,
+        ns_dtype="float32",
+        backend="torch",
+        **options,
+    )
     for step in range(steps):
         for p, g in zip(params, grads_fn(step).values()):
             # every rank holds the same full gradient: shard it locally (no scatter)
-            p.grad = g.clone() if mode == "local" else distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+            p.grad = (
+                g.clone() if mode == "local" else distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+            )
         opt.step()
     final = {n: (p.detach().clone() if mode == "local" else p.full_tensor()) for n, p in zip(model.names, params)}
     return final, opt
@@ -153,8 +175,12 @@ def run_pair(fraction: float, flavor: str, mode: str = "local", n_layers: int = 
     keys = sorted({k for st in opt.state.values() for k in st})
     members = [m for sg in opt._groups for m in sg.members]
     dtensor_state = {m.name: is_dtensor(opt.state[m.param][m.variance_key]) for m in members if flavor == "normuon"}
-    return {"diff": compare(fused_final, sep_final, n_layers), "keys": keys, "groups": len(opt._groups),
-            "dtensor_state": dtensor_state}
+    return {
+        "diff": compare(fused_final, sep_final, n_layers),
+        "keys": keys,
+        "groups": len(opt._groups),
+        "dtensor_state": dtensor_state,
+    }
 
 
 DIST_CONFIGS = [(1.0, "muon"), (0.25, "normuon")]  # gloo on CPU is slow: the two ends
@@ -222,8 +248,15 @@ def test_per_head_plan_and_reference():
     g = torch.Generator().manual_seed(3)
     w0 = torch.randn(H * dh, d, generator=g)
     p = nn.Parameter(w0.clone())
-    opt = Dion3([{"params": [p], "names": ["layers.0.attention.wq.weight"]}], lr=0.05, fraction=1.0,
-                ns_dtype="float32", backend="torch", split_heads=H, selection_dim="rows")
+    opt = Dion3(
+        [{"params": [p], "names": ["layers.0.attention.wq.weight"]}],
+        lr=0.05,
+        fraction=1.0,
+        ns_dtype="float32",
+        backend="torch",
+        split_heads=H,
+        selection_dim="rows",
+    )
     members = [m for sg in opt._groups for m in sg.members]
     assert len(members) == H and len(opt._groups) == 1  # one megabatch of H heads
     assert all(m.layout.global_shape == (dh, d) for m in members)
@@ -252,15 +285,37 @@ def test_per_head_plan_and_reference():
 
 
 def test_heads_compose_with_sizes_and_interleave():
-    assert split_pieces("a.wqkv.weight", (64, 32), {"split_specs": ("pattern=*.wqkv.weight;sizes=32,16,16;head_dim=8",)}) == [
-        slice(0, 8, 1), slice(8, 16, 1), slice(16, 24, 1), slice(24, 32, 1), slice(32, 40, 1), slice(40, 48, 1),
-        slice(48, 56, 1), slice(56, 64, 1)]
+    assert split_pieces(
+        "a.wqkv.weight", (64, 32), {"split_specs": ("pattern=*.wqkv.weight;sizes=32,16,16;head_dim=8",)}
+    ) == [
+        slice(0, 8, 1),
+        slice(8, 16, 1),
+        slice(16, 24, 1),
+        slice(24, 32, 1),
+        slice(32, 40, 1),
+        slice(40, 48, 1),
+        slice(48, 56, 1),
+        slice(56, 64, 1),
+    ]
     assert split_pieces("x", (3, 12, 5), {"split_specs": "pattern=x;interleave=2;heads=2"}) == [
-        slice(0, 5, 2), slice(6, 11, 2), slice(1, 6, 2), slice(7, 12, 2)]
+        slice(0, 5, 2),
+        slice(6, 11, 2),
+        slice(1, 6, 2),
+        slice(7, 12, 2),
+    ]
     assert split_pieces("x", (12, 5), {"split_specs": "pattern=x;sizes=8,4;heads=4,1"}) == [
-        slice(0, 2, 1), slice(2, 4, 1), slice(4, 6, 1), slice(6, 8, 1), slice(8, 12, 1)]
+        slice(0, 2, 1),
+        slice(2, 4, 1),
+        slice(4, 6, 1),
+        slice(6, 8, 1),
+        slice(8, 12, 1),
+    ]
     # first matching spec wins; split_heads only where no spec matched
-    opts = {"split_specs": "pattern=*.wq.weight;chunks=2", "split_heads": 4, "split_heads_pattern": "*.wq.weight|*.wk.weight"}
+    opts = {
+        "split_specs": "pattern=*.wq.weight;chunks=2",
+        "split_heads": 4,
+        "split_heads_pattern": "*.wq.weight|*.wk.weight",
+    }
     assert len(split_pieces("l.wq.weight", (16, 4), opts)) == 2
     assert len(split_pieces("l.wk.weight", (16, 4), opts)) == 4
     assert split_pieces("l.wv.weight", (16, 4), opts) is None
@@ -271,8 +326,11 @@ def test_interleaved_views_write_through():
     """Pieces are views of the parameter: the (B, R, C) view of piece 1 of an interleaved
     (E, 2h, d) stack is rows 1, 3, 5, ... and an in-place change lands in the parameter."""
     p = nn.Parameter(torch.zeros(2, 6, 4))
-    opt = Dion3([{"params": [p], "names": ["m.mlp1_weight"]}], split_specs=["pattern=*mlp1_weight;interleave=2"],
-                selection_dim="rows")
+    opt = Dion3(
+        [{"params": [p], "names": ["m.mlp1_weight"]}],
+        split_specs=["pattern=*mlp1_weight;interleave=2"],
+        selection_dim="rows",
+    )
     m1 = [m for sg in opt._groups for m in sg.members if m.piece_index == 1][0]
     v = m1.view(p.data)
     assert v.shape == (2, 3, 4) and v.data_ptr() == p.data[:, 1].data_ptr()
@@ -311,8 +369,11 @@ def test_bad_spec_strings_raise(spec, words):
 
 def test_specs_that_do_not_fit_the_parameter_raise():
     p = nn.Parameter(torch.zeros(10, 4))
-    for spec, words in [("pattern=w;sizes=4,4", "sum to 8 but dim -2 has 10"), ("pattern=w;chunks=3", "do not divide"),
-                        ("pattern=w;heads=3", "does not divide")]:
+    for spec, words in [
+        ("pattern=w;sizes=4,4", "sum to 8 but dim -2 has 10"),
+        ("pattern=w;chunks=3", "do not divide"),
+        ("pattern=w;heads=3", "does not divide"),
+    ]:
         with pytest.raises(ValueError, match=words) as e:
             Dion3([{"params": [p], "names": ["w"]}], split_specs=spec)
         assert "'w'" in str(e.value)
@@ -322,11 +383,16 @@ def test_specs_that_do_not_fit_the_parameter_raise():
 
 
 def test_spec_forms():
-    assert parse_spec("pattern=a.*.b; sizes=4, 2 ,2") == SplitSpec("pattern=a.*.b; sizes=4, 2 ,2", "a.*.b", sizes=(4, 2, 2))
+    assert parse_spec("pattern=a.*.b; sizes=4, 2 ,2") == SplitSpec(
+        "pattern=a.*.b; sizes=4, 2 ,2", "a.*.b", sizes=(4, 2, 2)
+    )
     two = Dion3([nn.Parameter(torch.zeros(4, 4))], split_specs="pattern=a;chunks=2 | pattern=b;interleave=2")
     three = Dion3([nn.Parameter(torch.zeros(4, 4))], split_specs=["pattern=a;chunks=2", "pattern=b;interleave=2"])
-    assert two.param_groups[0]["split_specs"] == three.param_groups[0]["split_specs"] == (
-        "pattern=a;chunks=2", "pattern=b;interleave=2")
+    assert (
+        two.param_groups[0]["split_specs"]
+        == three.param_groups[0]["split_specs"]
+        == ("pattern=a;chunks=2", "pattern=b;interleave=2")
+    )
 
 
 # ----------------------------------------------------------------- automatic specs
@@ -341,8 +407,9 @@ def test_auto_split_specs_builtin_models():
         llama = Transformer(llama3_args["debugmodel"])
     specs = auto_split_specs(gpt)
     assert specs == ["pattern=layers.*.moe.experts.mlp1_weight;interleave=2"]
-    pieces = split_pieces("layers.3.moe.experts.mlp1_weight", tuple(gpt.layers["3"].moe.experts.mlp1_weight.shape),
-                          {"split_specs": specs})
+    pieces = split_pieces(
+        "layers.3.moe.experts.mlp1_weight", tuple(gpt.layers["3"].moe.experts.mlp1_weight.shape), {"split_specs": specs}
+    )
     h = gptoss_configs["debugmodel"].moe_inter_dim
     assert pieces == [slice(0, 2 * h - 1, 2), slice(1, 2 * h, 2)]  # swiglu: gate = h[..., ::2], up = h[..., 1::2]
     assert auto_split_specs(llama) == []
@@ -374,5 +441,7 @@ def test_auto_split_specs_fused_modules():
         layer.attention, layer.feed_forward = Attn(), FF()
         model.layers.append(layer)
     assert auto_split_specs(model, Args()) == [
-        f"pattern=layers.*.attention.wqkv.weight;sizes={Q},{KV},{KV}", "pattern=layers.*.feed_forward.w13.weight;chunks=2"]
+        f"pattern=layers.*.attention.wqkv.weight;sizes={Q},{KV},{KV}",
+        "pattern=layers.*.feed_forward.w13.weight;chunks=2",
+    ]
     assert auto_split_specs(model) == [f"pattern=layers.*.attention.wqkv.weight;sizes={Q},{KV},{KV}"]  # w13 unconfirmed

@@ -23,9 +23,18 @@ def _build():
     model = Holder(fused_tensors(separate_tensors(0, 1), 1))
     fully_shard(model)
     params = list(model.parameters())
-    opt = Dion3([{"params": params, "names": model.names}], lr=0.05, weight_decay=0.1, fraction=0.5,
-                flavor="normuon", selection_scope="global", ns_dtype="float32", backend="torch",
-                selection_dim="rows", **SPLIT)
+    opt = Dion3(
+        [{"params": params, "names": model.names}],
+        lr=0.05,
+        weight_decay=0.1,
+        fraction=0.5,
+        flavor="normuon",
+        selection_scope="global",
+        ns_dtype="float32",
+        backend="torch",
+        selection_dim="rows",
+        **SPLIT,
+    )
     return model, params, opt
 
 

@@ -12,13 +12,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LLAMA = CONFIGS / "llama3_debug_dion3.toml"
 COMMON = (
-    "--lr_scheduler.total_steps", "4",  # the same lr schedule for the stopped and full runs
-    "--training.seq_len", "128",
-    "--training.local_batch_size", "2",
+    "--lr_scheduler.total_steps",
+    "4",  # the same lr schedule for the stopped and full runs
+    "--training.seq_len",
+    "128",
+    "--training.local_batch_size",
+    "2",
     "--validation.no-enable",  # its seq_len (256) would exceed the shortened training seq_len
 )
 CKPT = (
-    "--checkpoint.enable", "--checkpoint.interval", "2",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
     "--checkpoint.no-last_save_model_only",  # the step-2 save must hold optimizer state too
 )
 
@@ -55,15 +60,28 @@ RESHARD = [
 ]
 
 
-@pytest.mark.parametrize("flavor,fraction,worlds", RESHARD, ids=[f"{f}-f{x}-{'-'.join(map(str, w))}" for f, x, w in RESHARD])
+@pytest.mark.parametrize(
+    "flavor,fraction,worlds", RESHARD, ids=[f"{f}-f{x}-{'-'.join(map(str, w))}" for f, x, w in RESHARD]
+)
 def test_resume_at_another_world_size(tmp_path: Path, flavor: str, fraction: float, worlds: tuple) -> None:
     """Each run trains two more steps from the previous run's checkpoint at its own world size;
     the loss continues from where the checkpoint left it (no restart, no blow-up). torchtitan
     cannot reshard its dataloader's position, so resumed runs leave it out of loading."""
     ensure_corpus()
-    opts = ("--optimizer.flavor", flavor, "--optimizer.fraction", str(fraction),
-            "--lr_scheduler.total_steps", str(2 * len(worlds)), "--training.seq_len", "128",
-            "--training.local_batch_size", "2", "--validation.no-enable", *CKPT)
+    opts = (
+        "--optimizer.flavor",
+        flavor,
+        "--optimizer.fraction",
+        str(fraction),
+        "--lr_scheduler.total_steps",
+        str(2 * len(worlds)),
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "2",
+        "--validation.no-enable",
+        *CKPT,
+    )
     losses: dict[int, float] = {}
     for i, world in enumerate(worlds):
         extra = ("--checkpoint.exclude_from_loading", "dataloader") if i else ()

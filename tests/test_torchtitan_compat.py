@@ -7,18 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.titan_helpers import CONFIGS, ensure_corpus, run_titan
 from tests.test_torchtitan_train import LLAMA_ADAMW, LLAMA_MATRIX, _groups
+from tests.titan_helpers import CONFIGS, ensure_corpus, run_titan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SHORT = ("--training.seq_len", "128", "--training.local_batch_size", "2", "--validation.no-enable")
 
 
-@pytest.mark.parametrize("extra", [
-    ("--activation_checkpoint.mode", "full"),
-    ("--activation_checkpoint.mode", "selective", "--compile.enable", "--compile.backend", "aot_eager"),
-], ids=["full_ac", "selective_ac+compile"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("--activation_checkpoint.mode", "full"),
+        ("--activation_checkpoint.mode", "selective", "--compile.enable", "--compile.backend", "aot_eager"),
+    ],
+    ids=["full_ac", "selective_ac+compile"],
+)
 def test_trains_with_activation_checkpointing_and_compile(tmp_path: Path, extra) -> None:
     ensure_corpus()
     run = run_titan(CONFIGS / "llama3_debug_dion3.toml", tmp_path, "--training.steps", "4", *SHORT, *extra)
@@ -34,9 +38,19 @@ def test_trains_with_activation_checkpointing_and_compile(tmp_path: Path, extra)
 def test_gradient_accumulation_steps_once_per_global_step(tmp_path: Path) -> None:
     """global batch = 2 x local batch x ranks: two micro-batches, one optimizer step each step."""
     ensure_corpus()
-    run = run_titan(CONFIGS / "llama3_debug_dion3.toml", tmp_path, "--training.steps", "3", *SHORT,
-                    "--training.global_batch_size", "8", "--optimizer.optimizer_metrics", "True",
-                    "--metrics.log_freq", "1")
+    run = run_titan(
+        CONFIGS / "llama3_debug_dion3.toml",
+        tmp_path,
+        "--training.steps",
+        "3",
+        *SHORT,
+        "--training.global_batch_size",
+        "8",
+        "--optimizer.optimizer_metrics",
+        "True",
+        "--metrics.log_freq",
+        "1",
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert "gradient accumulation steps 2" in run.output
     losses = run.losses()
@@ -49,17 +63,28 @@ def test_gradient_accumulation_steps_once_per_global_step(tmp_path: Path) -> Non
     assert ages and max(ages) <= 3, ages
 
 
-FLOAT8 = ("--model.converters", "quantize.linear.float8",
-          "--quantize.linear.float8.enable_fsdp_float8_all_gather",
-          "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
-          "--quantize.linear.float8.filter_fqns", "output")
+FLOAT8 = (
+    "--model.converters",
+    "quantize.linear.float8",
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+    "--quantize.linear.float8.filter_fqns",
+    "output",
+)
 
 
 def test_float8_linears_with_float8_all_gather(tmp_path: Path) -> None:
     pytest.importorskip("torchao")
     ensure_corpus()
-    run = run_titan(CONFIGS / "llama3_debug_dion3.toml", tmp_path, "--training.steps", "4", *SHORT, *FLOAT8,
-                    "--quantize.linear.float8.emulate")
+    run = run_titan(
+        CONFIGS / "llama3_debug_dion3.toml",
+        tmp_path,
+        "--training.steps",
+        "4",
+        *SHORT,
+        *FLOAT8,
+        "--quantize.linear.float8.emulate",
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert "Swapped to Float8Linear layers with enable_fsdp_float8_all_gather=True" in run.output
     losses = run.losses()

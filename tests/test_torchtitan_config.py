@@ -91,8 +91,17 @@ def test_dion3_without_the_extension_says_which_key_to_set() -> None:
 def test_cli_overrides_reach_dion3_options() -> None:
     from dion3_titan.plugin import dion3_options
 
-    cfg = _titan_config("--optimizer.name", "dion3", "--optimizer.fraction", "0.5",
-                        "--optimizer.ns_restarts", "1", "3", "--optimizer.flavor", "normuon")
+    cfg = _titan_config(
+        "--optimizer.name",
+        "dion3",
+        "--optimizer.fraction",
+        "0.5",
+        "--optimizer.ns_restarts",
+        "1",
+        "3",
+        "--optimizer.flavor",
+        "normuon",
+    )
     opts = dion3_options(cfg.optimizer)
     assert opts["fraction"] == 0.5 and opts["flavor"] == "normuon"
     assert tuple(opts["ns_restarts"]) == (1, 3)
@@ -154,8 +163,13 @@ def test_cuda_graph_warmup_below_one_is_refused(warmup: str, graph: bool) -> Non
 
     from dion3_titan.plugin import build_dion3_optimizers
 
-    cfg = _titan_config("--optimizer.name", "dion3", "--optimizer.cuda_graph_warmup", warmup,
-                        *(["--optimizer.cuda_graph", "True"] if graph else []))
+    cfg = _titan_config(
+        "--optimizer.name",
+        "dion3",
+        "--optimizer.cuda_graph_warmup",
+        warmup,
+        *(["--optimizer.cuda_graph", "True"] if graph else []),
+    )
     with pytest.raises(ValueError) as err:
         build_dion3_optimizers([torch.nn.Linear(8, 8)], cfg.optimizer, parallel_dims=None)
     assert f"[optimizer] cuda_graph_warmup={warmup}: must be an integer >= 1" in str(err.value), str(err.value)
@@ -188,26 +202,56 @@ def _edited(tmp_path: Path, old: str, new: str) -> Path:
 # (edit of the debug config's lines, command-line overrides, the one line that reports it)
 CHECKS = {
     "bad-value": ((), ("--optimizer.fraction", "0"), "[optimizer] fraction=0.0: must be a number in (0, 1]"),
-    "bad-choice": (('flavor = "normuon"', 'flavor = "x"'), (), "[optimizer] flavor='x': allowed values are ('muon', 'normuon')"),
-    "unknown-key": (("fraction = 0.25", "fractoin = 0.25"), (), "[optimizer] fractoin: unknown key (did you mean 'fraction'?)"),
+    "bad-choice": (
+        ('flavor = "normuon"', 'flavor = "x"'),
+        (),
+        "[optimizer] flavor='x': allowed values are ('muon', 'normuon')",
+    ),
+    "unknown-key": (
+        ("fraction = 0.25", "fractoin = 0.25"),
+        (),
+        "[optimizer] fractoin: unknown key (did you mean 'fraction'?)",
+    ),
     "unknown-section": (("[optimizer]", "[optimiser]"), (), "[optimiser]: unknown section (did you mean 'optimizer'?)"),
     "wrong-type": (("momentum = 0.95", 'momentum = "high"'), (), "[optimizer] momentum='high': must be a number"),
-    "wrong-type-bool": (("fraction_lr_transfer = true", 'fraction_lr_transfer = "yes"'), (),
-                        "[optimizer] fraction_lr_transfer='yes': must be true or false"),
-    "wrong-item-type": (("ns_restarts = [2]", "ns_restarts = [2.5]"), (), "[optimizer] ns_restarts=[2.5]: must be a list of integers"),
+    "wrong-type-bool": (
+        ("fraction_lr_transfer = true", 'fraction_lr_transfer = "yes"'),
+        (),
+        "[optimizer] fraction_lr_transfer='yes': must be true or false",
+    ),
+    "wrong-item-type": (
+        ("ns_restarts = [2]", "ns_restarts = [2.5]"),
+        (),
+        "[optimizer] ns_restarts=[2.5]: must be a list of integers",
+    ),
     "wrong-type-titan-key": (("steps = 20", "steps = 2.5"), (), "[training] steps=2.5: must be an integer"),
-    "titan-literal": (('mode = "none"', 'mode = "some"'), (),
-                      "[activation_checkpoint] mode='some': must be one of ('selective', 'full', 'memory_budget', 'none')"),
-    "no-custom-module": (('custom_config_module = "dion3_titan.job_config"', ""), (),
-                         '[optimizer] adamw_lr: unknown key (a dion3_titan key: set [job] custom_config_module = "dion3_titan.job_config")'),
-    "cli-wrong-type": ((), ("--optimizer.fraction", "abc"),
-                       "Error parsing --optimizer.fraction: no type matching {None}|FLOAT could be instantiated from ['abc']."),
-    "cli-unknown-key": ((), ("--optimizer.fractoin", "0.5"),
-                        "Unrecognized options: --optimizer.fractoin, 0.5 (did you mean --optimizer.fraction?)"),
-    "pp-validation-batch": ((), ("--parallelism.pipeline_parallel_degree", "2"),
-                            "[validation] local_batch_size=2: with pipeline_parallel_degree=2 it must be a multiple "
-                            "of the 4 pipeline microbatches (training.local_batch_size / pipeline_parallel_microbatch_size); "
-                            "set it to 4, or set [validation] enable = false"),
+    "titan-literal": (
+        ('mode = "none"', 'mode = "some"'),
+        (),
+        "[activation_checkpoint] mode='some': must be one of ('selective', 'full', 'memory_budget', 'none')",
+    ),
+    "no-custom-module": (
+        ('custom_config_module = "dion3_titan.job_config"', ""),
+        (),
+        '[optimizer] adamw_lr: unknown key (a dion3_titan key: set [job] custom_config_module = "dion3_titan.job_config")',
+    ),
+    "cli-wrong-type": (
+        (),
+        ("--optimizer.fraction", "abc"),
+        "Error parsing --optimizer.fraction: no type matching {None}|FLOAT could be instantiated from ['abc'].",
+    ),
+    "cli-unknown-key": (
+        (),
+        ("--optimizer.fractoin", "0.5"),
+        "Unrecognized options: --optimizer.fractoin, 0.5 (did you mean --optimizer.fraction?)",
+    ),
+    "pp-validation-batch": (
+        (),
+        ("--parallelism.pipeline_parallel_degree", "2"),
+        "[validation] local_batch_size=2: with pipeline_parallel_degree=2 it must be a multiple "
+        "of the 4 pipeline microbatches (training.local_batch_size / pipeline_parallel_microbatch_size); "
+        "set it to 4, or set [validation] enable = false",
+    ),
     "not-toml": (("[job]", "[job"), (), None),  # message from tomllib, checked by prefix below
 }
 
@@ -266,8 +310,14 @@ def test_train_debug_sh_ends_with_the_one_line(tmp_path: Path, case: str) -> Non
         pytest.skip("scripts/train_debug.sh runs ./.venv (scripts/setup_env.sh creates it)")
     ensure_corpus()
     args, line = _check_case(tmp_path, case)
-    proc = subprocess.run(["bash", "scripts/train_debug.sh", *args[2:]], cwd=REPO, capture_output=True, text=True,
-                          env={**_env(), "CONFIG": args[1]}, timeout=300)
+    proc = subprocess.run(
+        ["bash", "scripts/train_debug.sh", *args[2:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**_env(), "CONFIG": args[1]},
+        timeout=300,
+    )
     console = _console(proc)
     assert proc.returncode == 2, console[-20:]
     assert console[-1] == line, console[-20:]

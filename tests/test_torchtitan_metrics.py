@@ -24,17 +24,34 @@ def test_optimizer_metrics_logged(tmp_path):
     runs = {}
     for fraction in ("0.25", "1.0"):
         run = run_titan(
-            CONFIGS / "llama3_debug_dion3.toml", tmp_path / fraction,
-            "--training.steps", "4", "--metrics.log_freq", "2", "--validation.no-enable",
-            "--optimizer.fraction", fraction, "--optimizer.optimizer_metrics", "True",
+            CONFIGS / "llama3_debug_dion3.toml",
+            tmp_path / fraction,
+            "--training.steps",
+            "4",
+            "--metrics.log_freq",
+            "2",
+            "--validation.no-enable",
+            "--optimizer.fraction",
+            fraction,
+            "--optimizer.optimizer_metrics",
+            "True",
         )
         assert run.returncode == 0, run.output[-3000:]
         runs[fraction] = _metrics(run.output)
     quarter, full = runs["0.25"], runs["1.0"]
     assert sorted(quarter) == [1, 2, 4], quarter.keys()  # torchtitan logs step 1 and every log_freq
     for step, m in quarter.items():
-        for key in ("host_ms", "comm_MB", "collectives", "update_rms/attention", "update_rms/mlp",
-                    "update_rms/adamw", "selection/covered", "selection/oldest_unselected", "ns_nonfinite"):
+        for key in (
+            "host_ms",
+            "comm_MB",
+            "collectives",
+            "update_rms/attention",
+            "update_rms/mlp",
+            "update_rms/adamw",
+            "selection/covered",
+            "selection/oldest_unselected",
+            "ns_nonfinite",
+        ):
             assert key in m and math.isfinite(m[key]), (step, key, m)
         assert m["comm_MB"] > 0 and m["collectives"] > 0 and m["ns_nonfinite"] == 0
         assert 0 < m["update_rms/mlp"] < 1

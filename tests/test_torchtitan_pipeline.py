@@ -22,8 +22,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 LLAMA = CONFIGS / "llama3_debug_dion3.toml"
 COMMON = ("--training.seq_len", "128", "--validation.no-enable")
 # validation through the pipeline schedule: its batch must divide into the 4 microbatches
-PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--validation.enable", "--validation.freq", "4",
-       "--validation.local_batch_size", "4", "--validation.seq_len", "128")
+PP2 = (
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--validation.enable",
+    "--validation.freq",
+    "4",
+    "--validation.local_batch_size",
+    "4",
+    "--validation.seq_len",
+    "128",
+)
 CHECKPOINT_AT_4 = ("--checkpoint.enable", "--checkpoint.interval", "4")
 
 
@@ -31,8 +40,16 @@ CHECKPOINT_AT_4 = ("--checkpoint.enable", "--checkpoint.interval", "4")
 def seed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ensure_corpus()
     folder = tmp_path_factory.mktemp("seed")
-    run = run_titan(LLAMA, folder, *COMMON, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                    "--parallelism.data_parallel_shard_degree", "1", nproc=1)
+    run = run_titan(
+        LLAMA,
+        folder,
+        *COMMON,
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        nproc=1,
+    )
     assert run.returncode == 0, run.output[-4000:]
     path = folder / "checkpoint" / "step-0"
     assert path.is_dir()
@@ -72,12 +89,21 @@ def test_pipeline_trains_and_resumes_exactly(
     tmp_path: Path, seed_checkpoint: Path, nproc: int, reference_nproc: int
 ) -> None:
     start = ("--checkpoint.initial_load_path", str(seed_checkpoint))
-    reference = run_titan(LLAMA, tmp_path / "reference", *COMMON, "--training.steps", "1",
-                          "--checkpoint.enable", *start, nproc=reference_nproc)
+    reference = run_titan(
+        LLAMA,
+        tmp_path / "reference",
+        *COMMON,
+        "--training.steps",
+        "1",
+        "--checkpoint.enable",
+        *start,
+        nproc=reference_nproc,
+    )
     assert reference.returncode == 0, reference.output[-4000:]
 
-    full = run_titan(LLAMA, tmp_path / "full", *COMMON, *PP2, "--training.steps", "8", *CHECKPOINT_AT_4,
-                     *start, nproc=nproc)
+    full = run_titan(
+        LLAMA, tmp_path / "full", *COMMON, *PP2, "--training.steps", "8", *CHECKPOINT_AT_4, *start, nproc=nproc
+    )
     assert full.returncode == 0, full.output[-4000:]
     losses = full.losses()
     assert sorted(losses) == list(range(1, 9))
@@ -90,8 +116,7 @@ def test_pipeline_trains_and_resumes_exactly(
 
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "full" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    second = run_titan(LLAMA, resumed, *COMMON, *PP2, "--training.steps", "8", *CHECKPOINT_AT_4,
-                       *start, nproc=nproc)
+    second = run_titan(LLAMA, resumed, *COMMON, *PP2, "--training.steps", "8", *CHECKPOINT_AT_4, *start, nproc=nproc)
     assert second.returncode == 0, second.output[-4000:]
     assert sorted(second.losses()) == [5, 6, 7, 8]  # it resumed, it did not restart
     assert second.losses() == {s: losses[s] for s in (5, 6, 7, 8)}  # bitwise-equal floats

@@ -89,8 +89,7 @@ def test_muon_normuon_prmuon_names(tmp_path: Path, name: str, flavor: str, optim
 
 
 def test_adamw_is_untouched(tmp_path: Path) -> None:
-    run = run_titan(LLAMA, tmp_path, "--training.steps", "3", "--optimizer.name", "AdamW",
-                    "--optimizer.lr", "3e-3")
+    run = run_titan(LLAMA, tmp_path, "--training.steps", "3", "--optimizer.name", "AdamW", "--optimizer.lr", "3e-3")
     assert run.returncode == 0, run.output[-4000:]
     record = run.records[0]["optimizers"]
     assert record["container"] == "OptimizersContainer"  # torchtitan's own

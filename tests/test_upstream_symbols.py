@@ -34,13 +34,16 @@ def test_torch_symbols() -> None:
     assert hasattr(placement_types._StridedShardOffsetMode, "ALL")
 
 
-@pytest.mark.parametrize("module", [
-    "torchtitan.tools.utils",
-    "torchtitan.components.metrics",
-    "torchtitan.distributed.parallel_dims",
-    "torchtitan.distributed.utils",
-    "torchtitan.tools.profiling",
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "torchtitan.tools.utils",
+        "torchtitan.components.metrics",
+        "torchtitan.distributed.parallel_dims",
+        "torchtitan.distributed.utils",
+        "torchtitan.tools.profiling",
+    ],
+)
 def test_device_binders_bind_the_device(module: str) -> None:
     """cpu_shims.device_cpu rebinds these modules' device globals (it skips a missing one)."""
     from dion3_titan import cpu_shims

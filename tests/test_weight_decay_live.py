@@ -22,8 +22,15 @@ def _params():
 
 
 def _optimizer(params, wd=0.1):
-    return Dion3([{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}], lr=0.05,
-                 fraction=0.5, flavor="normuon", weight_decay=wd, ns_dtype="float32", backend="torch")
+    return Dion3(
+        [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
+        lr=0.05,
+        fraction=0.5,
+        flavor="normuon",
+        weight_decay=wd,
+        ns_dtype="float32",
+        backend="torch",
+    )
 
 
 def _step(params, opt, step):

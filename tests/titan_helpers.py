@@ -58,8 +58,9 @@ def torchrun_inspected(target: list[str], dump_folder: Path, nproc: int, timeout
     the ranks' records are read back from `dump_folder`/inspect."""
     env = repo_env()
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on a 2-core CI machine
-    proc = subprocess.run(torchrun(nproc, *target, rank0_logs=True), cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        torchrun(nproc, *target, rank0_logs=True), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     records = []
     for r in range(nproc):
         path = dump_folder / "inspect" / f"rank{r}.json"
@@ -110,8 +111,9 @@ def _inspecting_trainer() -> type:
             }
             log = self.metrics_processor.log
 
-            def log_and_record(step: int, loss: float, max_loss: float, grad_norm: float,
-                               *args: Any, **kwargs: Any) -> None:
+            def log_and_record(
+                step: int, loss: float, max_loss: float, grad_norm: float, *args: Any, **kwargs: Any
+            ) -> None:
                 self._record["losses"][str(step)] = float(loss)
                 self._record["grad_norms"][str(step)] = float(grad_norm)
                 self._write()
@@ -135,8 +137,9 @@ def _inspecting_trainer() -> type:
                                 "names": list(g.get("names", [])),
                                 "shapes": [list(p.shape) for p in g["params"]],
                                 # class of each parameter's local tensor (float8 weights wrap theirs)
-                                "local_classes": sorted({type(p.to_local() if hasattr(p, "to_local") else p).__name__
-                                                         for p in g["params"]}),
+                                "local_classes": sorted(
+                                    {type(p.to_local() if hasattr(p, "to_local") else p).__name__ for p in g["params"]}
+                                ),
                                 "lr": g["lr"],
                                 "fraction": g.get("fraction"),
                                 "flavor": g.get("flavor"),
@@ -148,10 +151,16 @@ def _inspecting_trainer() -> type:
                 ],
                 # the megabatch plan: each orthogonalized matrix (or piece) and its shape
                 "plan": [
-                    {"name": m.name, "piece": None if m.layout.piece is None else
-                     [m.layout.piece.start, m.layout.piece.stop, m.layout.piece.step],
-                     "shape": list(m.layout.global_shape)}
-                    for o in opts.optimizers for sg in getattr(o, "_groups", []) for m in sg.members
+                    {
+                        "name": m.name,
+                        "piece": None
+                        if m.layout.piece is None
+                        else [m.layout.piece.start, m.layout.piece.stop, m.layout.piece.step],
+                        "shape": list(m.layout.global_shape),
+                    }
+                    for o in opts.optimizers
+                    for sg in getattr(o, "_groups", [])
+                    for m in sg.members
                 ],
             }
 

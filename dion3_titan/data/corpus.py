@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 # Folders whose docstrings are test fixtures, vendored third-party code or generated tables
 # rather than prose; leaving them out keeps the corpus English documentation.
-_SKIP_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "lib2to3", "encodings", "__pycache__"}
-)
+_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "lib2to3", "encodings", "__pycache__"})
 _MIN_DOC_CHARS = 200  # shorter files add mostly one-line "Return x." docstrings
 
 
@@ -55,11 +53,7 @@ def _stdlib_files(packages: bool) -> list[str]:
     out: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and packages)
-        out += [
-            os.path.relpath(os.path.join(dirpath, f), root)
-            for f in filenames
-            if f.endswith(".py")
-        ]
+        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames if f.endswith(".py")]
     return sorted(out)
 
 

@@ -24,9 +24,7 @@ class Backend:
         """a @ b."""
         raise NotImplementedError
 
-    def mm_add(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
-    ) -> torch.Tensor:
+    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
         """alpha * (a @ b) + beta * c."""
         raise NotImplementedError
 
@@ -34,9 +32,7 @@ class Backend:
         """a @ b where the caller guarantees the product is symmetric (e.g. X @ X^T)."""
         raise NotImplementedError
 
-    def sym_addmm(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
-    ) -> torch.Tensor:
+    def sym_addmm(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
         """alpha * (a @ b) + beta * c where the result is symmetric (c symmetric too)."""
         raise NotImplementedError
 

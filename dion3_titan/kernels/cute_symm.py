@@ -17,7 +17,6 @@ CuteDSL is imported lazily: this module imports without it.
 Its speed against cuBLAS and against the Triton backend: docs/kernels.md and docs/benchmarks.md.
 """
 
-
 import functools  # (no "from __future__ import annotations": CuteDSL evaluates the kernel annotations)
 import importlib.util
 from typing import Any
@@ -145,9 +144,9 @@ def _kernel_class() -> type:
 
             smem = utils.SmemAllocator()
             st = smem.allocate(self.storage)
-            stage_bytes = cute.size_in_bytes(
-                self.ab_dtype, cute.slice_(a_smem, (None, None, 0))
-            ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
+            stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+                self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
+            )
             # consumers release a stage once per warp (8 warps)
             ring = pipeline.PipelineTmaAsync.create(
                 barrier_storage=st.barriers.data_ptr(),
@@ -308,12 +307,22 @@ def _compiled(dtype_name: str, a_major: str, b_major: str, has_c: bool) -> Any:
     square = (n, n, L)
     sq_stride = (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8))
     c = make_fake_tensor(dtype, square, sq_stride, assumed_align=16)
-    d = make_fake_tensor(dtype, square, (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)), assumed_align=16)
+    d = make_fake_tensor(
+        dtype, square, (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)), assumed_align=16
+    )
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
     gemm = _kernel_class()(has_c)
     return cute.compile(
-        gemm, operand(a_major), operand(b_major), c, d, tiles, cutlass.Int32(1),
-        cutlass.Float32(1.0), cutlass.Float32(0.0), make_fake_stream(use_tvm_ffi_env_stream=True),
+        gemm,
+        operand(a_major),
+        operand(b_major),
+        c,
+        d,
+        tiles,
+        cutlass.Int32(1),
+        cutlass.Float32(1.0),
+        cutlass.Float32(0.0),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi",
     )
 
@@ -359,8 +368,14 @@ def sym_gemm(
     table = _tile_table(side, a.device)
     ctas = min(num_sms(a.device), L * table.shape[1])
     fn(
-        _as_nkl(a), _as_nkl(bt), _as_nkl(c if has_c else out), _as_nkl(out), table, ctas,
-        float(alpha), float(beta),
+        _as_nkl(a),
+        _as_nkl(bt),
+        _as_nkl(c if has_c else out),
+        _as_nkl(out),
+        table,
+        ctas,
+        float(alpha),
+        float(beta),
     )
     return out
 
@@ -382,8 +397,6 @@ class CuteOps(TritonOps):
         out = sym_gemm(a, b)
         return out if out is not None else super().sym_mm(a, b)  # shapes off the tile grid
 
-    def sym_addmm(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
-    ) -> torch.Tensor:
+    def sym_addmm(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
         out = sym_gemm(a, b, c, alpha, beta)
         return out if out is not None else super().sym_addmm(a, b, c, alpha, beta)

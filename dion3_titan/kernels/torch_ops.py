@@ -42,17 +42,13 @@ class TorchOps(Backend):
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.bmm(a, b)
 
-    def mm_add(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
-    ) -> torch.Tensor:
+    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
         return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return mirror_lower(torch.bmm(a, b))
 
-    def sym_addmm(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
-    ) -> torch.Tensor:
+    def sym_addmm(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
         return mirror_lower(torch.baddbmm(c, a, b, beta=beta, alpha=alpha))
 
     def fused_update(

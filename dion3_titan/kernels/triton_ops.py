@@ -85,13 +85,26 @@ def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _sym_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, out_ptr,
-    n, k,
-    s_ab, s_am, s_ak,
-    s_bb, s_bk, s_bn,
-    s_cb, s_cm, s_cn,
-    s_ob, s_om, s_on,
-    alpha, beta,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    out_ptr,
+    n,
+    k,
+    s_ab,
+    s_am,
+    s_ak,
+    s_bb,
+    s_bk,
+    s_bn,
+    s_cb,
+    s_cm,
+    s_cn,
+    s_ob,
+    s_om,
+    s_on,
+    alpha,
+    beta,
     HAS_C: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -155,9 +168,15 @@ def _sym_gemm_kernel(
 
 @triton.jit
 def _sym_gemm_tma_kernel(
-    a_desc, b_desc, c_desc, out_desc,
-    n, k, L,
-    alpha, beta,
+    a_desc,
+    b_desc,
+    c_desc,
+    out_desc,
+    n,
+    k,
+    L,
+    alpha,
+    beta,
     A_T: tl.constexpr,
     B_T: tl.constexpr,
     HAS_C: tl.constexpr,
@@ -260,8 +279,11 @@ def sym_gemm(
             if torch.cuda.is_current_stream_capturing():
                 raise
             _TMA_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
-            warnings.warn(f"dion3_titan: persistent TMA symmetric GEMM unavailable ({_TMA_BROKEN[0]}); "
-                          "using the per-tile Triton kernel", stacklevel=2)
+            warnings.warn(
+                f"dion3_titan: persistent TMA symmetric GEMM unavailable ({_TMA_BROKEN[0]}); "
+                "using the per-tile Triton kernel",
+                stacklevel=2,
+            )
             done = None
         if done is not None:
             return done
@@ -285,10 +307,18 @@ def sym_gemm(
     side = triton.cdiv(n, block)
     grid = (side * (side + 1) // 2, L)
     _sym_gemm_kernel[grid](
-        a, b, c_arg, out,
-        n, k,
-        *a.stride(), *b.stride(), *c_strides, *out.stride(),
-        float(alpha), float(beta),
+        a,
+        b,
+        c_arg,
+        out,
+        n,
+        k,
+        *a.stride(),
+        *b.stride(),
+        *c_strides,
+        *out.stride(),
+        float(alpha),
+        float(beta),
         HAS_C=has_c,
         EVEN_K=(k % block_k == 0),
         EVEN_N=(n % block == 0),
@@ -355,7 +385,13 @@ def sym_gemm_tma(
     has_c = c is not None and beta != 0.0
     sa, sb = _rows_stacked(a), _rows_stacked(b)
     if (
-        L == 0 or n == 0 or k == 0 or n % block or k % block_k or sa is None or sb is None
+        L == 0
+        or n == 0
+        or k == 0
+        or n % block
+        or k % block_k
+        or sa is None
+        or sb is None
         or (out is not None and not out.is_contiguous())
         or (has_c and (c.shape != (L, n, n) or not c.is_contiguous()))
         or any(t.data_ptr() % 16 for t in [a, b] + ([c] if has_c else []) + ([out] if out is not None else []))
@@ -373,11 +409,25 @@ def sym_gemm_tma(
     side = n // block
     grid = (min(sms, L * side * (side + 1) // 2),)
     _sym_gemm_tma_kernel[grid](
-        TensorDescriptor.from_tensor(a2, a_block), TensorDescriptor.from_tensor(b2, b_block), c_desc, out_desc,
-        n, k, L, float(alpha), float(beta),
-        A_T=a_t, B_T=b_t, HAS_C=has_c, BLOCK=block, BLOCK_K=block_k, GROUP=group,
-        NUM_SMS=sms, INTERPRET=interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        TensorDescriptor.from_tensor(a2, a_block),
+        TensorDescriptor.from_tensor(b2, b_block),
+        c_desc,
+        out_desc,
+        n,
+        k,
+        L,
+        float(alpha),
+        float(beta),
+        A_T=a_t,
+        B_T=b_t,
+        HAS_C=has_c,
+        BLOCK=block,
+        BLOCK_K=block_k,
+        GROUP=group,
+        NUM_SMS=sms,
+        INTERPRET=interpreting(),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -411,9 +461,7 @@ class TritonOps(TorchOps):
             return super().sym_mm(a, b)
         return sym_gemm(a, b)
 
-    def sym_addmm(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
-    ) -> torch.Tensor:
+    def sym_addmm(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
         if not self._runs(a):
             return super().sym_addmm(a, b, c, alpha, beta)
         return sym_gemm(a, b, c, alpha, beta)
@@ -432,8 +480,4 @@ class TritonOps(TorchOps):
     def _runs(a: torch.Tensor) -> bool:
         """fp16/bf16 on a GPU (or anywhere under the interpreter); other dtypes go to torch,
         since a float32 tensor-core product would silently drop to tf32 precision."""
-        return (
-            a.dtype in _SUPPORTED
-            and (a.is_cuda or interpreting())
-            and _offsets_fit(a.shape[-2], a.shape[-1])
-        )
+        return a.dtype in _SUPPORTED and (a.is_cuda or interpreting()) and _offsets_fit(a.shape[-2], a.shape[-1])

@@ -155,9 +155,7 @@ class Dion3Config:
     def coefficients(self) -> Coefficients:
         coeffs = coefficient_schedule(self.ns_coefficients, self.ns_steps, self.ns_safety_factor)
         if len(coeffs) != self.ns_steps and not isinstance(self.ns_coefficients, str):
-            raise ValueError(
-                f"ns_coefficients: {len(coeffs)} explicit triples given but ns_steps={self.ns_steps}"
-            )
+            raise ValueError(f"ns_coefficients: {len(coeffs)} explicit triples given but ns_steps={self.ns_steps}")
         return coeffs
 
     @property

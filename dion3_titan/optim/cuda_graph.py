@@ -79,7 +79,9 @@ class GraphedOptimizer:
         # The replay path is the hot path: a handful of Python comparisons, one small host-to-
         # device copy when lr or weight decay changed, and the graph launch.
         if closure is not None:
-            raise ValueError("GraphedOptimizer.step does not take a closure: compute the loss and gradients before step()")
+            raise ValueError(
+                "GraphedOptimizer.step does not take a closure: compute the loss and gradients before step()"
+            )
         guard = self.optimizer.nonfinite
         guard.resolve()  # the previous replay's gradient flag: count a skipped step, or raise
         if self._graph is not None and self._version != self.signature():

@@ -89,9 +89,7 @@ class Dion3(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 0.02, **options) -> None:
         unknown = set(options) - set(Dion3Config.keys()) - {"betas", "eps"}
         if unknown:
-            raise ValueError(
-                f"Dion3: unknown option(s) {sorted(unknown)}; allowed are {sorted(Dion3Config.keys())}"
-            )
+            raise ValueError(f"Dion3: unknown option(s) {sorted(unknown)}; allowed are {sorted(Dion3Config.keys())}")
         adamw_opts = {k: options.pop(k, v) for k, v in ADAMW_DEFAULTS.items()}
         config = Dion3Config(lr=lr, **options)
         defaults = {**config.as_dict(), **adamw_opts, "algorithm": "dion3"}
@@ -129,9 +127,11 @@ class Dion3(torch.optim.Optimizer):
                 continue
             for p, name in zip(group["params"], self._names(group)):
                 pieces = split_pieces(name, tuple(p.shape), cfg)  # fused weights (optim/split.py)
-                layouts = [describe(p, cfg.selection_dim)] if pieces is None else [
-                    describe(p, cfg.selection_dim, pc, name) for pc in pieces
-                ]
+                layouts = (
+                    [describe(p, cfg.selection_dim)]
+                    if pieces is None
+                    else [describe(p, cfg.selection_dim, pc, name) for pc in pieces]
+                )
                 for i, layout in enumerate(layouts):
                     scale = lr_scale(layout.d_out, layout.d_in, cfg.lr_rule, cfg.fraction, cfg.fraction_lr_transfer)
                     entries.append(PlanEntry(gi, p, name, layout, scale, None if pieces is None else i))
@@ -452,14 +452,29 @@ class Dion3(torch.optim.Optimizer):
             if w.fused:
                 # ok: a step with a non-finite gradient leaves weights and momentum as they are
                 engine.update(
-                    weight, w.views[i], result[sl], None if slot is None else slot[sl],
-                    lr * m.lr_scale, decay, group["momentum"],
-                    None if den is None else den[sl, :sel], None if scale is None else scale[sl],
-                    ok=self.nonfinite.ok, void=None if w.void is None else w.void[sl],
+                    weight,
+                    w.views[i],
+                    result[sl],
+                    None if slot is None else slot[sl],
+                    lr * m.lr_scale,
+                    decay,
+                    group["momentum"],
+                    None if den is None else den[sl, :sel],
+                    None if scale is None else scale[sl],
+                    ok=self.nonfinite.ok,
+                    void=None if w.void is None else w.void[sl],
                 )
             else:
                 apply_update(
-                    weight, w.views[i], result[sl], w.rows_per[i], ok, lr * m.lr_scale, decay, mu, w.backend,
+                    weight,
+                    w.views[i],
+                    result[sl],
+                    w.rows_per[i],
+                    ok,
+                    lr * m.lr_scale,
+                    decay,
+                    mu,
+                    w.backend,
                     every_row=w.every_row,
                 )
             if flavor.row_data:
@@ -620,7 +635,19 @@ class Dion3(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         adamw(
-            params, grads, avgs, sqs, [], steps,
-            fused=True, found_inf=self.nonfinite.found_inf(), amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=self._hyper[gi][0], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            params,
+            grads,
+            avgs,
+            sqs,
+            [],
+            steps,
+            fused=True,
+            found_inf=self.nonfinite.found_inf(),
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=self._hyper[gi][0],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
         )

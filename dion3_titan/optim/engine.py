@@ -64,7 +64,11 @@ def pack(
     ``transposed``: the batch is laid out column-major (for transposed views)."""
     n, kk, c = shape
     device = views[0].device
-    out = torch.empty((n, c, kk), dtype=dtype, device=device).mT if transposed else torch.empty(shape, dtype=dtype, device=device)
+    out = (
+        torch.empty((n, c, kk), dtype=dtype, device=device).mT
+        if transposed
+        else torch.empty(shape, dtype=dtype, device=device)
+    )
     den = None
     if sq is not None:
         if rows is None:

@@ -57,7 +57,9 @@ class NorMuon(Flavor):
             return  # pieces that select rows share one state over the parameter's rows
         # (laid out like the parameter's rows, so DCP reshards it however shards cut the pieces)
         shares = member.piece is not None and member.layout.row_dim == -2
-        state[member.variance_key] = row_state(member.param, describe(member.param, "rows") if shares else member.layout)
+        state[member.variance_key] = row_state(
+            member.param, describe(member.param, "rows") if shares else member.layout
+        )
 
     def rows_state(self, state: dict, member) -> torch.Tensor:
         return member.variance_view(to_local(state[member.variance_key]))

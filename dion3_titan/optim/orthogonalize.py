@@ -140,7 +140,11 @@ def nonfinite_matrices(out: torch.Tensor) -> torch.Tensor:
 
 
 def repair_nonfinite(
-    x: torch.Tensor, out: torch.Tensor, bad: torch.Tensor, settings: NSSettings, backend: Backend,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    bad: torch.Tensor,
+    settings: NSSettings,
+    backend: Backend,
     tall: bool | None = None,
 ) -> torch.Tensor:
     """Recompute the ``bad`` matrices of ``out = orthogonalize(x)`` with a restart after every
@@ -166,4 +170,3 @@ def repair_nonfinite(
         # A non-finite input defeats every retry: zero it (no update) rather than apply it.
         fixed = torch.where(nonfinite_matrices(fixed)[:, None, None], torch.zeros_like(fixed), fixed)
     return out.index_copy(0, idx, fixed.to(out.dtype))
-

@@ -99,9 +99,7 @@ class PeriodicRowwiseMuon(Dion3):
         allowed = set(Dion3Config.keys()) | set(PRMuonConfig.keys()) | set(ADAMW_DEFAULTS)
         unknown = set(options) - allowed
         if unknown:
-            raise ValueError(
-                f"PeriodicRowwiseMuon: unknown option(s) {sorted(unknown)}; allowed are {sorted(allowed)}"
-            )
+            raise ValueError(f"PeriodicRowwiseMuon: unknown option(s) {sorted(unknown)}; allowed are {sorted(allowed)}")
         own = PRMuonConfig(**{k: options.pop(k) for k in PRMuonConfig.keys() if k in options})
         if options.get("split_specs") or options.get("split_heads"):
             raise ValueError(
@@ -197,9 +195,7 @@ class PeriodicRowwiseMuon(Dion3):
         # Every split matrix joins the all-reduce, with or without a gradient, so the packed
         # buffer has the same size on every rank.
         cut = [i for i, s in enumerate(splits) if s]
-        pending = reduce_row_stats(
-            [row_sq_sums(views[i]) for i in cut], [splits[i] for i in cut], self.comm_stats
-        )
+        pending = reduce_row_stats([row_sq_sums(views[i]) for i in cut], [splits[i] for i in cut], self.comm_stats)
         for i, (gi, m) in enumerate(members):
             if not splits[i]:
                 self._rownorm_update(gi, m, views[i], row_sq_sums(views[i]))

@@ -44,9 +44,7 @@ def split_groups(layout: MatrixLayout, row_dim: int) -> SplitGroups:
     row's squared sum must be reduced over all of them (several when e.g. FSDP and TP both
     shard that dim). Mesh dims of size 1 cut nothing."""
     col_dim = -1 if row_dim == -2 else -2
-    return tuple(
-        layout.mesh.get_group(s.mesh_dim) for s in layout.shards if s.tensor_dim == col_dim and s.size > 1
-    )
+    return tuple(layout.mesh.get_group(s.mesh_dim) for s in layout.shards if s.tensor_dim == col_dim and s.size > 1)
 
 
 def row_sq_sums(x: torch.Tensor) -> torch.Tensor:

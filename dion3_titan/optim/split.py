@@ -51,6 +51,7 @@ class SplitSpec:
 
     def pieces(self, rows: int, where: str = "") -> list[slice]:
         """The row slices (dim -2) this spec cuts ``rows`` rows into, in order."""
+
         def bad(msg: str) -> ValueError:
             return ValueError(f"split spec {self.text!r}{where}: {msg}")
 
@@ -207,7 +208,15 @@ _INTERLEAVED_GATE_UP = re.compile(r"(^|\.)mlp1_weight$")  # torchtitan gpt_oss: 
 _N_HEADS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
 _N_KV = ("n_kv_heads", "num_kv_heads", "num_key_value_heads", "n_kv_head")
 _HEAD_DIM = ("head_dim",)
-_INTER = ("hidden_dim", "moe_inter_dim", "intermediate_size", "moe_intermediate_size", "inter_dim", "ffn_dim", "ffn_hidden_size")
+_INTER = (
+    "hidden_dim",
+    "moe_inter_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "inter_dim",
+    "ffn_dim",
+    "ffn_hidden_size",
+)
 
 
 def _attr(objs, names):
@@ -271,8 +280,11 @@ def auto_split_specs(model_or_named_params, model_args=None) -> list[str]:
         elif _QKV.search(name):
             spec = _qkv_spec(rows, d_in, objs)
             if spec is None:
-                warnings.warn(f"auto_split_specs: fused QKV {name!r} of shape {tuple(p.shape)} left whole: "
-                              "head counts unknown or not adding up to its rows", stacklevel=2)
+                warnings.warn(
+                    f"auto_split_specs: fused QKV {name!r} of shape {tuple(p.shape)} left whole: "
+                    "head counts unknown or not adding up to its rows",
+                    stacklevel=2,
+                )
         elif _GATE_UP.search(name) and model_args is not None:
             inter = [getattr(model_args, a, None) for a in _INTER]
             if rows % 2 == 0 and rows // 2 in [v for v in inter if isinstance(v, int)]:

@@ -42,11 +42,21 @@ def _flex_attention_dense() -> None:
     if getattr(flex, "_dion3_shim", False):
         return
 
-    def flex_attention_cpu(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                           return_aux=None, **kwargs):
+    def flex_attention_cpu(
+        q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None, **kwargs
+    ):
         if q.device.type != "cpu":
-            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                        enable_gqa=enable_gqa, return_aux=return_aux, **kwargs)
+            return flex(
+                q,
+                k,
+                v,
+                score_mod=score_mod,
+                block_mask=block_mask,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                return_aux=return_aux,
+                **kwargs,
+            )
         if score_mod is not None:
             raise NotImplementedError("dion3_titan CPU shim: FlexAttention score_mod is not supported on CPU")
         out, lse = shared.dense_flex_attention(q, k, v, block_mask, scale, enable_gqa)

@@ -28,12 +28,20 @@ class Dion3MetricsProcessor(MetricsProcessor):
         if hasattr(value, "collect_metrics"):
             value.log_freq = self.config.log_freq
 
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None) -> None:
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
         opts = self.optimizers
         ours = opts.collect_metrics() if hasattr(opts, "collect_metrics") else {}
         if hasattr(opts, "collect_metrics"):
             opts.align_step(step)
         if ours:
-            logger.info(f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/'):]}={v:.4g}" for k, v in ours.items()))
+            logger.info(
+                f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/') :]}={v:.4g}" for k, v in ours.items())
+            )
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **ours})

@@ -51,8 +51,11 @@ def check_param_group(pg: ParamGroupConfig, index: int) -> dict[str, Any]:
     """The validated options of one of our groups (ValueError naming the key otherwise)."""
     where = f"param_groups[{index}] (pattern={pg.pattern!r}, optimizer_name={pg.optimizer_name!r}) optimizer_kwargs:"
     return resolve_options(
-        OPTIMIZER_NAMES[pg.optimizer_name], dict(pg.optimizer_kwargs),
-        where=where, name_key="optimizer_name", spell=_SPELL,
+        OPTIMIZER_NAMES[pg.optimizer_name],
+        dict(pg.optimizer_kwargs),
+        where=where,
+        name_key="optimizer_name",
+        spell=_SPELL,
     )
 
 
@@ -92,8 +95,11 @@ class Dion3Optimizers(OptimizersContainer):
         if config.cuda_graph and not torch.cuda.is_available():
             raise ValueError("cuda_graph=True needs a CUDA GPU; set cuda_graph=False on this machine")
         impl_kwargs = self._build_impl_kwargs(config)
-        options = {i: check_param_group(pg, i) for i, pg in enumerate(config.param_groups)
-                   if pg.optimizer_name in OPTIMIZER_NAMES}
+        options = {
+            i: check_param_group(pg, i)
+            for i, pg in enumerate(config.param_groups)
+            if pg.optimizer_name in OPTIMIZER_NAMES
+        }
         self.optimizers, self.model_parts = [], model_parts
         self._runners: list = []
         all_params: list[nn.Parameter] = []
@@ -110,7 +116,8 @@ class Dion3Optimizers(OptimizersContainer):
                     runner = GraphedOptimizer(opt, warmup_steps=config.cuda_graph_warmup) if config.cuda_graph else opt
                 else:
                     opt = self._resolve_optimizer_factory(name)(
-                        built, **config.optimizer_factory_kwargs_by_name.get(name, {}))
+                        built, **config.optimizer_factory_kwargs_by_name.get(name, {})
+                    )
                     runner = opt
                 self.optimizers.append(opt)
                 self._runners.append(runner)
@@ -122,7 +129,8 @@ class Dion3Optimizers(OptimizersContainer):
         self._post_init(all_params)
         self._metrics = (
             {id(r): OptimizerMetrics(r) for r in self._runners if isinstance(getattr(r, "optimizer", r), Dion3)}
-            if config.optimizer_metrics else None
+            if config.optimizer_metrics
+            else None
         )
         self.log_freq: int | None = None  # the trainer's logging period, set by Dion3MetricsProcessor
         self._step = 0
@@ -149,8 +157,15 @@ class Dion3Optimizers(OptimizersContainer):
                 ctor = own
             if engine.splits:
                 opts = {**opts, "split_specs": split_specs_for(model, opts, g["param_names"])}
-            groups.append({"params": g["params"], "param_names": g["param_names"], "names": g["param_names"],
-                           "algorithm": "dion3", **opts})
+            groups.append(
+                {
+                    "params": g["params"],
+                    "param_names": g["param_names"],
+                    "names": g["param_names"],
+                    "algorithm": "dion3",
+                    **opts,
+                }
+            )
         return engine.cls(groups, **ctor)
 
     def step(self, closure=None) -> None:
@@ -159,8 +174,10 @@ class Dion3Optimizers(OptimizersContainer):
         freq = self.log_freq
         measure = self._metrics is not None and freq is not None and (self._step == 1 or self._step % freq == 0)
         if self._metrics is not None and freq is None and self._step == 1:
-            logger.warning("[dion3] optimizer_metrics=True, but the job's metrics processor is not "
-                           "Dion3MetricsProcessor: set metrics=Dion3MetricsProcessor.Config(...) to log them")
+            logger.warning(
+                "[dion3] optimizer_metrics=True, but the job's metrics processor is not "
+                "Dion3MetricsProcessor: set metrics=Dion3MetricsProcessor.Config(...) to log them"
+            )
         for runner in self._runners:
             if self._metrics is not None and id(runner) in self._metrics:
                 self._metrics[id(runner)].step(measure)

@@ -27,13 +27,17 @@ CORPUS = "data/dion3_docs_small"  # python -m dion3_titan.data.build --size smal
 register_datasets()  # the corpus names "dion3_docs" / "dion3_docs_val" (also without our trainer)
 
 
-def dion3_optimizer(name: str = "Dion3", *, lr: float, adamw_lr: float, weight_decay: float = 0.0,
-                    cuda_graph: bool = False, **options) -> Dion3Optimizers.Config:
+def dion3_optimizer(
+    name: str = "Dion3", *, lr: float, adamw_lr: float, weight_decay: float = 0.0, cuda_graph: bool = False, **options
+) -> Dion3Optimizers.Config:
     """``name`` ("Dion3", "Muon", "NorMuon", "PRMuon") on the block matrices, AdamW (betas
     0.9/0.95, eps 1e-8) on embeddings, lm_head, norms and biases; metrics on."""
     return Dion3Optimizers.Config(
         param_groups=dion3_param_groups(
-            name, lr=lr, weight_decay=weight_decay, **options,
+            name,
+            lr=lr,
+            weight_decay=weight_decay,
+            **options,
             adamw={"lr": adamw_lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": weight_decay},
         ),
         cuda_graph=cuda_graph,
@@ -43,8 +47,9 @@ def dion3_optimizer(name: str = "Dion3", *, lr: float, adamw_lr: float, weight_d
 
 def _use(config: Trainer.Config, optimizer) -> Trainer.Config:
     config.optimizer = optimizer
-    config.metrics = Dion3MetricsProcessor.Config(log_freq=config.metrics.log_freq,
-                                                  enable_tensorboard=config.metrics.enable_tensorboard)
+    config.metrics = Dion3MetricsProcessor.Config(
+        log_freq=config.metrics.log_freq, enable_tensorboard=config.metrics.enable_tensorboard
+    )
     return config
 
 
@@ -53,7 +58,9 @@ def _on_corpus(config: Trainer.Config, *, seq_len: int, batch: int) -> Trainer.C
     config.hf_assets_path = f"{CORPUS}/tokenizer"  # BPE tokenizer, 2048 ids = the debug models' vocab
     config.dataloader = HuggingFaceTextDataLoader.Config(dataset="dion3_docs", dataset_path=CORPUS)
     config.validator = Validator.Config(
-        enable=True, freq=10, steps=2,  # fixed steps keep the ranks in step
+        enable=True,
+        freq=10,
+        steps=2,  # fixed steps keep the ranks in step
         dataloader=HuggingFaceTextDataLoader.Config(dataset="dion3_docs_val", dataset_path=CORPUS, infinite=False),
     )
     config.training.seq_len, config.training.local_batch_size = seq_len, batch
@@ -87,8 +94,10 @@ def _llama3_debug_cpu() -> Trainer.Config:
 
 def llama3_debug_dion3() -> Trainer.Config:
     # ns_dtype float32: float16 matmuls are slow on a CPU
-    return _use(_llama3_debug_cpu(), dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-3, fraction=0.25,
-                                                     flavor="normuon", ns_dtype="float32"))
+    return _use(
+        _llama3_debug_cpu(),
+        dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-3, fraction=0.25, flavor="normuon", ns_dtype="float32"),
+    )
 
 
 def llama3_debug_muon() -> Trainer.Config:
@@ -111,8 +120,10 @@ def _llama3_debug_gpu() -> Trainer.Config:
 
 
 def llama3_debug_gpu_dion3() -> Trainer.Config:
-    return _use(_llama3_debug_gpu(), dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-3, fraction=0.25,
-                                                     flavor="normuon", cuda_graph=True))
+    return _use(
+        _llama3_debug_gpu(),
+        dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-3, fraction=0.25, flavor="normuon", cuda_graph=True),
+    )
 
 
 def llama3_debug_gpu_muon() -> Trainer.Config:
@@ -125,8 +136,10 @@ def llama3_debug_gpu_adamw() -> Trainer.Config:
 
 # ------------------------------------------------------------------ qwen3 0.6B / 1.7B (GPU)
 def qwen3_0_6b_dion3() -> Trainer.Config:
-    return _use(qwen3.qwen3_0_6b(), dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-4, weight_decay=0.1,
-                                                    fraction=0.25, flavor="normuon"))
+    return _use(
+        qwen3.qwen3_0_6b(),
+        dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-4, weight_decay=0.1, fraction=0.25, flavor="normuon"),
+    )
 
 
 def qwen3_0_6b_muon() -> Trainer.Config:
@@ -138,8 +151,10 @@ def qwen3_0_6b_adamw() -> Trainer.Config:
 
 
 def qwen3_1_7b_dion3() -> Trainer.Config:
-    return _use(qwen3.qwen3_1_7b(), dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-4, weight_decay=0.1,
-                                                    fraction=0.25, flavor="normuon"))
+    return _use(
+        qwen3.qwen3_1_7b(),
+        dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-4, weight_decay=0.1, fraction=0.25, flavor="normuon"),
+    )
 
 
 def qwen3_1_7b_muon() -> Trainer.Config:
@@ -161,8 +176,10 @@ def _deepseek_v3_debug_cpu() -> Trainer.Config:
 
 
 def deepseek_v3_debug_dion3() -> Trainer.Config:
-    return _use(_deepseek_v3_debug_cpu(), dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-3, fraction=0.25,
-                                                          flavor="normuon", ns_dtype="float32"))
+    return _use(
+        _deepseek_v3_debug_cpu(),
+        dion3_optimizer("Dion3", lr=0.02, adamw_lr=3e-3, fraction=0.25, flavor="normuon", ns_dtype="float32"),
+    )
 
 
 def deepseek_v3_debug_muon() -> Trainer.Config:
@@ -174,8 +191,10 @@ def deepseek_v3_debug_adamw() -> Trainer.Config:
 
 
 def deepseek_v3_16b_dion3() -> Trainer.Config:
-    return _use(deepseek_v3.deepseek_v3_16b(), dion3_optimizer("Dion3", lr=0.02, adamw_lr=2.2e-4, weight_decay=0.1,
-                                                               fraction=0.25, flavor="normuon"))
+    return _use(
+        deepseek_v3.deepseek_v3_16b(),
+        dion3_optimizer("Dion3", lr=0.02, adamw_lr=2.2e-4, weight_decay=0.1, fraction=0.25, flavor="normuon"),
+    )
 
 
 def deepseek_v3_16b_muon() -> Trainer.Config:

@@ -45,8 +45,12 @@ def fused_weight_specs(model: nn.Module) -> list[str]:
             specs.setdefault(_glob(f"{prefix}.wqkv.weight"), f"head_dim={module.head_dim}")
         wq = getattr(module, "wq", None)
         heads, head_dim = getattr(module, "n_heads", None), getattr(module, "head_dim", None)
-        if (isinstance(wq, nn.Linear) and isinstance(heads, int) and isinstance(head_dim, int)
-                and wq.weight.shape[0] == 2 * heads * head_dim):
+        if (
+            isinstance(wq, nn.Linear)
+            and isinstance(heads, int)
+            and isinstance(head_dim, int)
+            and wq.weight.shape[0] == 2 * heads * head_dim
+        ):
             specs.setdefault(_glob(f"{prefix}.wq.weight"), f"head_dim={head_dim}")
     for name, p in model.named_parameters():
         name = canonical_fqn(name)

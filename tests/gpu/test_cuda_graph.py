@@ -34,8 +34,13 @@ def _train(model, graphed: bool, fraction: float, flavor: str, steps: int, devic
 
     mats = [p for p in model if p.ndim >= 2]
     vecs = [p for p in model if p.ndim < 2]
-    opt = Dion3([{"params": mats}, {"params": vecs, "algorithm": "adamw"}], lr=0.02,
-                fraction=fraction, flavor=flavor, weight_decay=0.1)
+    opt = Dion3(
+        [{"params": mats}, {"params": vecs, "algorithm": "adamw"}],
+        lr=0.02,
+        fraction=fraction,
+        flavor=flavor,
+        weight_decay=0.1,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
     captures, graph = 0, None
@@ -93,8 +98,13 @@ def _fsdp_worker(rank, world, out_path):
         model = _model(f"cuda:{rank}")
         fully_shard(model)
         params = list(model)
-        opt = Dion3([{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
-                    lr=0.02, fraction=0.25, flavor="normuon", weight_decay=0.1)
+        opt = Dion3(
+            [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
+            lr=0.02,
+            fraction=0.25,
+            flavor="normuon",
+            weight_decay=0.1,
+        )
         runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
         for step in range(20):
             for p, g in zip(params, _grads(step, f"cuda:{rank}")):
@@ -140,9 +150,17 @@ def _nonfinite_run(params, graphed, policy, flavor, fraction, steps, skip_bad_st
     from dion3_titan.optim.cuda_graph import GraphedOptimizer
 
     device = params[0].device
-    opt = Dion3([{"params": params[:-1], "names": [f"m{i}" for i in range(len(params) - 1)]},
-                 {"params": params[-1:], "algorithm": "adamw", "names": ["vec"]}],
-                lr=0.02, fraction=fraction, flavor=flavor, weight_decay=0.1, nonfinite=policy)
+    opt = Dion3(
+        [
+            {"params": params[:-1], "names": [f"m{i}" for i in range(len(params) - 1)]},
+            {"params": params[-1:], "algorithm": "adamw", "names": ["vec"]},
+        ],
+        lr=0.02,
+        fraction=fraction,
+        flavor=flavor,
+        weight_decay=0.1,
+        nonfinite=policy,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
     raised, same = None, None
@@ -176,13 +194,14 @@ def _nonfinite_run(params, graphed, policy, flavor, fraction, steps, skip_bad_st
 @pytest.mark.parametrize("fraction,flavor", [(1.0, "muon"), (0.25, "normuon")])
 @pytest.mark.parametrize("graphed", [False, True])
 def test_nonfinite_skip_one_gpu(graphed, fraction, flavor):
-    """"skip": the bad step leaves every parameter and state tensor bit-identical, is counted,
+    """ "skip": the bad step leaves every parameter and state tensor bit-identical, is counted,
     and the run then equals one that never took that step (graph and eager alike)."""
     base = _model("cuda")
     got, raised, same, skipped = _nonfinite_run(list(copy.deepcopy(base)), graphed, "skip", flavor, fraction, 10)
     assert raised is None and same and skipped == 1
-    ref, _, _, ref_skipped = _nonfinite_run(list(copy.deepcopy(base)), graphed, "skip", flavor, fraction, 10,
-                                            skip_bad_step=True)
+    ref, _, _, ref_skipped = _nonfinite_run(
+        list(copy.deepcopy(base)), graphed, "skip", flavor, fraction, 10, skip_bad_step=True
+    )
     assert ref_skipped == 0
     for a, b, p0 in zip(got, ref, base):
         assert torch.equal(a, b) and not torch.equal(a, p0)
@@ -190,7 +209,7 @@ def test_nonfinite_skip_one_gpu(graphed, fraction, flavor):
 
 @pytest.mark.parametrize("graphed", [False, True])
 def test_nonfinite_raise_one_gpu(graphed):
-    """"raise": eager raises at the bad step, a replayed step at the next step() (the host
+    """ "raise": eager raises at the bad step, a replayed step at the next step() (the host
     reads its flag then); nothing of the bad step is applied either way."""
     base = _model("cuda")
     _, raised, same, _ = _nonfinite_run(list(copy.deepcopy(base)), graphed, "raise", "normuon", 0.25, 10)
@@ -210,9 +229,17 @@ def _fsdp_nonfinite_worker(rank, world, policy, out_path):
     model = _model(device)
     fully_shard(model)
     params = list(model)
-    opt = Dion3([{"params": params[:-1], "names": [f"m{i}" for i in range(len(params) - 1)]},
-                 {"params": params[-1:], "algorithm": "adamw", "names": ["vec"]}],
-                lr=0.02, fraction=0.25, flavor="normuon", weight_decay=0.1, nonfinite=policy)
+    opt = Dion3(
+        [
+            {"params": params[:-1], "names": [f"m{i}" for i in range(len(params) - 1)]},
+            {"params": params[-1:], "algorithm": "adamw", "names": ["vec"]},
+        ],
+        lr=0.02,
+        fraction=0.25,
+        flavor="normuon",
+        weight_decay=0.1,
+        nonfinite=policy,
+    )
     runner = GraphedOptimizer(opt, warmup_steps=3)
     result = {"raised": None, "same": None}
     for step in range(8):

@@ -202,8 +202,9 @@ def test_auto_picks_triton_for_gram_ns_in_the_optimizer(shape, seed: int, monkey
         if backend == "auto":
             monkeypatch.setattr(dion3_module, "select_backend", spy)
         w = torch.nn.Parameter(w0.clone())
-        opt = Dion3([w], lr=0.02, fraction=1.0, ns_dtype="float16", ns_algorithm="gram", backend=backend,
-                    weight_decay=0.0)
+        opt = Dion3(
+            [w], lr=0.02, fraction=1.0, ns_dtype="float16", ns_algorithm="gram", backend=backend, weight_decay=0.0
+        )
         for g in grads:
             w.grad = g.clone()
             opt.step()

@@ -51,9 +51,11 @@ def test_large_step_engine_matches_torch_path(flavor, fraction):
     finals = []
     for fused in (True, False):
         torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(1024, 4096, device="cuda") * 0.02),
-                  torch.nn.Parameter(torch.randn(4096, 1376, device="cuda") * 0.02),
-                  torch.nn.Parameter(torch.randn(4, 512, 1024, device="cuda") * 0.02)]
+        params = [
+            torch.nn.Parameter(torch.randn(1024, 4096, device="cuda") * 0.02),
+            torch.nn.Parameter(torch.randn(4096, 1376, device="cuda") * 0.02),
+            torch.nn.Parameter(torch.randn(4, 512, 1024, device="cuda") * 0.02),
+        ]
         start = [p.detach().clone() for p in params]
         opt = Dion3([{"params": params}], lr=0.02, fraction=fraction, flavor=flavor, weight_decay=0.1)
         runs_on = engine.runs_on

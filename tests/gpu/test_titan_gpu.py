@@ -14,10 +14,21 @@ from tests.titan_helpers import CONFIGS, REPO, ensure_corpus, logged_losses, run
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 COMMON = (
-    "--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2",
-    "--training.seq_len", "256", "--validation.no-enable", "--metrics.log_freq", "1",
-    "--optimizer.cuda_graph", "True", "--optimizer.cuda_graph_warmup", "3",
-    "--optimizer.optimizer_metrics", "True",
+    "--lr_scheduler.total_steps",
+    "8",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--training.seq_len",
+    "256",
+    "--validation.no-enable",
+    "--metrics.log_freq",
+    "1",
+    "--optimizer.cuda_graph",
+    "True",
+    "--optimizer.cuda_graph_warmup",
+    "3",
+    "--optimizer.optimizer_metrics",
+    "True",
 )
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "6", "--checkpoint.no-last_save_model_only")
 
@@ -48,8 +59,15 @@ def test_gpt_oss_trains_with_mlp1_split(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (FSDP mixed precision)")
     ensure_corpus()
-    run = run_titan(CONFIGS / "gpt_oss_debug_dion3.toml", tmp_path, "--training.steps", "4",
-                    "--optimizer.ns_dtype", "float16", nproc=2)
+    run = run_titan(
+        CONFIGS / "gpt_oss_debug_dion3.toml",
+        tmp_path,
+        "--training.steps",
+        "4",
+        "--optimizer.ns_dtype",
+        "float16",
+        nproc=2,
+    )
     assert run.returncode == 0, run.output[-4000:]
     losses = run.losses()
     assert losses[4] < losses[1], losses
@@ -68,8 +86,17 @@ def test_float8_fsdp_float8_all_gather_trains(tmp_path: Path) -> None:
     from tests.test_torchtitan_compat import FLOAT8
 
     ensure_corpus()
-    run = run_titan(CONFIGS / "llama3_debug_gpu_dion3.toml", tmp_path, "--training.steps", "6",
-                    "--training.seq_len", "256", "--validation.no-enable", *FLOAT8, nproc=2)
+    run = run_titan(
+        CONFIGS / "llama3_debug_gpu_dion3.toml",
+        tmp_path,
+        "--training.steps",
+        "6",
+        "--training.seq_len",
+        "256",
+        "--validation.no-enable",
+        *FLOAT8,
+        nproc=2,
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert "Swapped to Float8Linear layers with enable_fsdp_float8_all_gather=True" in run.output
     losses = run.losses()
@@ -92,10 +119,21 @@ def test_torchtitan_train_entry_point_with_custom_config_module(tmp_path: Path) 
     config = tmp_path / "no_module.toml"
     config.write_text(text.replace(line, ""))
     cmd = torchrun(
-        torch.cuda.device_count(), "-m", "torchtitan.train",
-        "--job.config_file", str(config), "--job.custom_config_module", "dion3_titan.job_config",
-        "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "6", "--validation.no-enable",
-        "--lr_scheduler.warmup_steps", "2", rank0_logs=True,
+        torch.cuda.device_count(),
+        "-m",
+        "torchtitan.train",
+        "--job.config_file",
+        str(config),
+        "--job.custom_config_module",
+        "dion3_titan.job_config",
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--training.steps",
+        "6",
+        "--validation.no-enable",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        rank0_logs=True,
     )
     proc = subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr

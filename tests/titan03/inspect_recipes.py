@@ -24,8 +24,11 @@ class InspectingTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self._record: dict[str, Any] = {"rank": torch.distributed.get_rank(), "losses": {},
-                                        "optimizers": self._describe_optimizers()}
+        self._record: dict[str, Any] = {
+            "rank": torch.distributed.get_rank(),
+            "losses": {},
+            "optimizers": self._describe_optimizers(),
+        }
         log = self.metrics_processor.log
 
         def log_and_record(step: int, loss: float, *args: Any, **kwargs: Any) -> None:
@@ -42,21 +45,46 @@ class InspectingTrainer(Trainer):
             "container": type(opts).__name__,
             "pre_hooks": len(opts._optimizer_step_pre_hooks),
             "optimizers": [
-                {"class": type(o).__name__,
-                 "groups": [{"names": list(g.get("param_names", [])), "fraction": g.get("fraction"),
-                             "flavor": g.get("flavor"), "lr": g["lr"],
-                             # the mesh dims each parameter is sharded over
-                             "sharded_over": [sorted({p.device_mesh.mesh_dim_names[i] for i, pl in enumerate(p.placements)
-                                                      if pl.is_shard()}) if hasattr(p, "placements") else []
-                                              for p in g["params"]]}
-                            for g in o.param_groups]}
+                {
+                    "class": type(o).__name__,
+                    "groups": [
+                        {
+                            "names": list(g.get("param_names", [])),
+                            "fraction": g.get("fraction"),
+                            "flavor": g.get("flavor"),
+                            "lr": g["lr"],
+                            # the mesh dims each parameter is sharded over
+                            "sharded_over": [
+                                sorted(
+                                    {
+                                        p.device_mesh.mesh_dim_names[i]
+                                        for i, pl in enumerate(p.placements)
+                                        if pl.is_shard()
+                                    }
+                                )
+                                if hasattr(p, "placements")
+                                else []
+                                for p in g["params"]
+                            ],
+                        }
+                        for g in o.param_groups
+                    ],
+                }
                 for o in opts.optimizers
             ],
             # each orthogonalized matrix (or piece of a fused weight) and its shape
-            "plan": [{"name": m.name, "piece": None if m.layout.piece is None else
-                      [m.layout.piece.start, m.layout.piece.stop, m.layout.piece.step],
-                      "shape": list(m.layout.global_shape)}
-                     for o in opts.optimizers for sg in getattr(o, "_groups", []) for m in sg.members],
+            "plan": [
+                {
+                    "name": m.name,
+                    "piece": None
+                    if m.layout.piece is None
+                    else [m.layout.piece.start, m.layout.piece.stop, m.layout.piece.step],
+                    "shape": list(m.layout.global_shape),
+                }
+                for o in opts.optimizers
+                for sg in getattr(o, "_groups", [])
+                for m in sg.members
+            ],
         }
 
     def train(self) -> None:
@@ -89,10 +117,17 @@ def deepseek_v3_debug_dion3() -> InspectingTrainer.Config:
 def _with_dion3_kwargs(**kwargs: Any) -> InspectingTrainer.Config:
     config = recipes.llama3_debug_dion3()
     first = config.optimizer.param_groups[0]
-    groups = [ParamGroupConfig(pattern=first.pattern, optimizer_name=first.optimizer_name,
-                               optimizer_kwargs={**first.optimizer_kwargs, **kwargs}),
-              *config.optimizer.param_groups[1:]]
-    return _inspecting(dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, param_groups=groups)))
+    groups = [
+        ParamGroupConfig(
+            pattern=first.pattern,
+            optimizer_name=first.optimizer_name,
+            optimizer_kwargs={**first.optimizer_kwargs, **kwargs},
+        ),
+        *config.optimizer.param_groups[1:],
+    ]
+    return _inspecting(
+        dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, param_groups=groups))
+    )
 
 
 def bad_fraction() -> InspectingTrainer.Config:

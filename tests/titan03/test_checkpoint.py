@@ -11,8 +11,13 @@ from tests.titan03.helpers import ensure_corpus, run_titan03
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 COMMON = (
-    "--lr_scheduler.total_steps", "4",  # the same lr schedule for the stopped and full runs
-    "--training.seq_len", "128", "--training.local_batch_size", "2", "--validator.no-enable",
+    "--lr_scheduler.total_steps",
+    "4",  # the same lr schedule for the stopped and full runs
+    "--training.seq_len",
+    "128",
+    "--training.local_batch_size",
+    "2",
+    "--validator.no-enable",
 )
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only")
 
@@ -23,8 +28,9 @@ def test_resume_at_step_2_matches_uninterrupted_run(tmp_path: Path) -> None:
     assert full.returncode == 0, full.output[-4000:]
     assert (tmp_path / "checkpoint" / "step-2").is_dir()
 
-    resumed = run_titan03("llama3_debug_dion3", tmp_path, "--training.steps", "4", *COMMON, *CKPT,
-                          "--checkpoint.load_step", "2")
+    resumed = run_titan03(
+        "llama3_debug_dion3", tmp_path, "--training.steps", "4", *COMMON, *CKPT, "--checkpoint.load_step", "2"
+    )
     assert resumed.returncode == 0, resumed.output[-4000:]
     losses = resumed.losses()
     assert sorted(losses) == [3, 4], losses  # it resumed, it did not restart

@@ -11,10 +11,12 @@ from tests.titan03.helpers import ensure_corpus, logged_losses, run_titan03
 
 
 def _config(name: str, **kwargs) -> Dion3Optimizers.Config:
-    return Dion3Optimizers.Config(param_groups=[
-        ParamGroupConfig(pattern=r"\.weight$", optimizer_name=name, optimizer_kwargs=kwargs),
-        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3}),
-    ])
+    return Dion3Optimizers.Config(
+        param_groups=[
+            ParamGroupConfig(pattern=r"\.weight$", optimizer_name=name, optimizer_kwargs=kwargs),
+            ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3}),
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -37,7 +39,9 @@ def test_bad_kwargs_name_the_key_and_allowed_values(name, kwargs, words) -> None
     assert "param_groups[0]" in str(err.value)
 
 
-@pytest.mark.parametrize("name, fixed", [("Muon", (1.0, "muon")), ("NorMuon", (1.0, "normuon")), ("PRMuon", (1.0, "muon"))])
+@pytest.mark.parametrize(
+    "name, fixed", [("Muon", (1.0, "muon")), ("NorMuon", (1.0, "normuon")), ("PRMuon", (1.0, "muon"))]
+)
 def test_names_accept_agreeing_and_default_kwargs(name, fixed) -> None:
     _config(name, lr=0.02, fraction=fixed[0], flavor=fixed[1])
     _config(name)
@@ -45,16 +49,16 @@ def test_names_accept_agreeing_and_default_kwargs(name, fixed) -> None:
 
 def test_cuda_graph_with_prmuon_is_refused() -> None:
     with pytest.raises(ValueError, match="cuda_graph=True is not supported with optimizer_name='PRMuon'"):
-        Dion3Optimizers.Config(cuda_graph=True, param_groups=[
-            ParamGroupConfig(pattern=".*", optimizer_name="PRMuon", optimizer_kwargs={})])
+        Dion3Optimizers.Config(
+            cuda_graph=True, param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="PRMuon", optimizer_kwargs={})]
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "config, words",
-    [("bad_fraction", ["fraction=1.5", "(0, 1]"]),
-     ("misspelled_key", ["fractoin", "allowed keys"])],
+    [("bad_fraction", ["fraction=1.5", "(0, 1]"]), ("misspelled_key", ["fractoin", "allowed keys"])],
 )
 def test_bad_kwarg_stops_a_launch_before_step_1(tmp_path: Path, config: str, words: list[str]) -> None:
     ensure_corpus()

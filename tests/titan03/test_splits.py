@@ -19,8 +19,9 @@ def _model_config(module: str, fn: str):
     return getattr(importlib.import_module(f"torchtitan.models.{module}.config_registry"), fn)().model_spec.model
 
 
-@pytest.mark.parametrize("module, fn", [("llama3", "llama3_debugmodel"), ("qwen3", "qwen3_debugmodel"),
-                                        ("gpt_oss", "gpt_oss_debugmodel")])
+@pytest.mark.parametrize(
+    "module, fn", [("llama3", "llama3_debugmodel"), ("qwen3", "qwen3_debugmodel"), ("gpt_oss", "gpt_oss_debugmodel")]
+)
 def test_every_wqkv_piece_is_one_head_of_q_k_or_v(module: str, fn: str) -> None:
     (_, qkv_cfg, _, _), *_ = _model_config(module, fn).traverse(FusedQKVLinear.Config)
     holder = nn.Module()
@@ -31,8 +32,11 @@ def test_every_wqkv_piece_is_one_head_of_q_k_or_v(module: str, fn: str) -> None:
         weight.copy_(torch.randn_like(weight))
     parts = holder.qkv_linear.state_dict()  # torchtitan's hook: wqkv -> wq, wk, wv
     hd = holder.qkv_linear.head_dim
-    heads = {f"{k}{i}": parts[f"{k}.weight"][i * hd:(i + 1) * hd] for k in ("wq", "wk", "wv")
-             for i in range(parts[f"{k}.weight"].shape[0] // hd)}
+    heads = {
+        f"{k}{i}": parts[f"{k}.weight"][i * hd : (i + 1) * hd]
+        for k in ("wq", "wk", "wv")
+        for i in range(parts[f"{k}.weight"].shape[0] // hd)
+    }
 
     pieces = split_pieces("qkv_linear.wqkv.weight", tuple(weight.shape), {"split_specs": fused_weight_specs(holder)})
     assert pieces is not None and len(pieces) == len(heads)
