@@ -411,6 +411,19 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def not_run(cfg: BenchConfig, status: str, note: str) -> dict:
+    """The table row of a configuration that did not run, and why."""
+    return {
+        "name": cfg.name,
+        "label": cfg.label,
+        "kind": cfg.kind,
+        "graph": cfg.graph,
+        "options": cfg.options,
+        "status": status,
+        "note": note,
+    }
+
+
 def run_config(
     cfg: BenchConfig,
     model: nn.Module,
@@ -669,30 +682,12 @@ def main(argv: list[str] | None = None) -> None:
     for cfg in sorted(configs, key=run_priority):
         why = unavailable_reason(cfg, device, graph_note)
         if why:
-            rows.append(
-                {
-                    "name": cfg.name,
-                    "label": cfg.label,
-                    "kind": cfg.kind,
-                    "graph": cfg.graph,
-                    "options": cfg.options,
-                    "status": "unavailable",
-                    "note": why,
-                }
-            )
+            rows.append(not_run(cfg, "unavailable", why))
             continue
         expected_end = time.time() - t_start + estimate_s(cfg, walls)
         if not all_ranks_true(expected_end < args.budget_s, device):
             rows.append(
-                {
-                    "name": cfg.name,
-                    "label": cfg.label,
-                    "kind": cfg.kind,
-                    "graph": cfg.graph,
-                    "options": cfg.options,
-                    "status": "skipped",
-                    "note": f"would end after --budget-s {args.budget_s:.0f} (at ~{expected_end:.0f} s)",
-                }
+                not_run(cfg, "skipped", f"would end after --budget-s {args.budget_s:.0f} (at ~{expected_end:.0f} s)")
             )
             log(f"  {cfg.name:<22} skipped (budget)")
             continue

@@ -31,6 +31,15 @@ def select(m: torch.Tensor, fraction: float, chunks: list[int] | None) -> torch.
     return torch.cat(picked).sort().values
 
 
+def dion3_like_textbook(params, fraction: float, flavor: str, scope: str, **options):
+    """The package's Dion3 with the settings the distributed tests compare to ``TextbookDion3``
+    (lr 0.05, weight decay 0.1, float32 Newton-Schulz)."""
+    from dion3_titan import Dion3
+
+    settings = {"lr": 0.05, "ns_dtype": "float32", "weight_decay": 0.1, "backend": "torch", **options}
+    return Dion3([{"params": list(params)}], fraction=fraction, flavor=flavor, selection_scope=scope, **settings)
+
+
 class TextbookDion3:
     """Per full matrix W (rows = dim 0): M += G; S = top rows; O = polar(M[S]); optional
     NorMuon; W *= 1 - lr' wd; W[S] -= lr * scale * O; M[S] *= mu (lr' = lr / sqrt(f))."""

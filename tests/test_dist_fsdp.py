@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.dist_reference import TextbookDion3
+from tests.dist_reference import TextbookDion3, dion3_like_textbook
 from tests.inputs import random_grads
 from tests.spawn import spawn
 
@@ -41,24 +41,13 @@ def _run(world, fraction, flavor, scope, n_layers, steps, shapes=SHAPES, device=
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from dion3_titan import Dion3
-
     model = Bag(n_layers, shapes)
     full0 = [p.detach().clone() for p in model.parameters()]
     shapes = [tuple(p.shape) for p in model.parameters()]
     model.to(device)
     fully_shard(model)
     params = list(model.parameters())
-    opt = Dion3(
-        [{"params": params}],
-        lr=0.05,
-        fraction=fraction,
-        flavor=flavor,
-        selection_scope=scope,
-        ns_dtype="float32",
-        weight_decay=0.1,
-        backend=backend,
-    )
+    opt = dion3_like_textbook(params, fraction, flavor, scope, backend=backend)
     calls = []
     for step in range(steps):
         for p, g in zip(params, grads_for(step, shapes)):

@@ -5,6 +5,7 @@ FSDP2 on 2 gloo ranks, up to float32 rounding of the differently packed batches.
 import pytest
 import torch
 
+from tests.dist_reference import dion3_like_textbook
 from tests.spawn import spawn
 from tests.test_dist_fsdp import SHAPES, Bag, grads_for
 
@@ -18,23 +19,11 @@ def _run(megabatch, fraction, flavor, scope):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from dion3_titan import Dion3
-
     model = Bag(3)  # three matrices of each shape: a shape group has several members
     shapes = [tuple(p.shape) for p in model.parameters()]
     fully_shard(model)
     params = list(model.parameters())
-    opt = Dion3(
-        [{"params": params}],
-        lr=0.05,
-        fraction=fraction,
-        flavor=flavor,
-        selection_scope=scope,
-        ns_dtype="float32",
-        weight_decay=0.1,
-        backend="torch",
-        megabatch=megabatch,
-    )
+    opt = dion3_like_textbook(params, fraction, flavor, scope, megabatch=megabatch)
     for step in range(STEPS):
         for p, g in zip(params, grads_for(step, shapes)):
             p.grad = distribute_tensor(g, p.device_mesh, p.placements)

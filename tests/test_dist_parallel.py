@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.dist_reference import TextbookDion3
+from tests.dist_reference import TextbookDion3, dion3_like_textbook
 from tests.spawn import spawn
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,20 +61,8 @@ def _check(rank, world, model, init, grads, cfg, out):
 
 
 def _dion3(params, cfg):
-    from dion3_titan import Dion3
-
     fraction, flavor, scope = cfg
-    return Dion3(
-        [{"params": list(params)}],
-        lr=0.05,
-        fraction=fraction,
-        flavor=flavor,
-        selection_scope=scope,
-        ns_dtype="float32",
-        weight_decay=0.1,
-        backend="torch",
-        selection_dim="rows",
-    )
+    return dion3_like_textbook(params, fraction, flavor, scope, selection_dim="rows")
 
 
 def _hsdp_worker(rank, world, cfg, out):

@@ -15,6 +15,24 @@ from typing import Any
 
 from tests.spawn import REPO, repo_env, torchrun
 
+
+def plan_of(optimizers) -> list[dict]:
+    """Each orthogonalized matrix (or piece of a fused weight) of the optimizers' megabatch
+    plans, with its full shape (both torchtitan generations' inspected runs report it)."""
+    return [
+        {
+            "name": m.name,
+            "piece": None
+            if m.layout.piece is None
+            else [m.layout.piece.start, m.layout.piece.stop, m.layout.piece.step],
+            "shape": list(m.layout.global_shape),
+        }
+        for o in optimizers
+        for sg in getattr(o, "shape_groups", [])
+        for m in sg.members
+    ]
+
+
 CONFIGS = REPO / "configs"
 
 
@@ -150,18 +168,7 @@ def _inspecting_trainer() -> type:
                     for o in opts.optimizers
                 ],
                 # the megabatch plan: each orthogonalized matrix (or piece) and its shape
-                "plan": [
-                    {
-                        "name": m.name,
-                        "piece": None
-                        if m.layout.piece is None
-                        else [m.layout.piece.start, m.layout.piece.stop, m.layout.piece.step],
-                        "shape": list(m.layout.global_shape),
-                    }
-                    for o in opts.optimizers
-                    for sg in getattr(o, "_groups", [])
-                    for m in sg.members
-                ],
+                "plan": plan_of(opts.optimizers),
             }
 
         def train(self) -> None:

@@ -14,7 +14,7 @@ from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.trainer import Trainer
 
 from dion3_titan.titan03 import recipes
-from tests.titan_helpers import param_digest
+from tests.titan_helpers import param_digest, plan_of
 
 
 class InspectingTrainer(Trainer):
@@ -73,18 +73,7 @@ class InspectingTrainer(Trainer):
                 for o in opts.optimizers
             ],
             # each orthogonalized matrix (or piece of a fused weight) and its shape
-            "plan": [
-                {
-                    "name": m.name,
-                    "piece": None
-                    if m.layout.piece is None
-                    else [m.layout.piece.start, m.layout.piece.stop, m.layout.piece.step],
-                    "shape": list(m.layout.global_shape),
-                }
-                for o in opts.optimizers
-                for sg in getattr(o, "_groups", [])
-                for m in sg.members
-            ],
+            "plan": plan_of(opts.optimizers),
         }
 
     def train(self) -> None:
