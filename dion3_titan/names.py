@@ -19,13 +19,15 @@ from dion3_titan.optim.prmuon import PeriodicRowwiseMuon, PRMuonConfig
 @dataclass(frozen=True)
 class Engine:
     """What one optimizer name builds: the optimizer class, the settings the name fixes,
-    the keys only this optimizer accepts, and whether it orthogonalizes the pieces of fused
-    weights separately (optim/split.py; Periodic Row-wise Muon works on whole matrices)."""
+    the keys only this optimizer accepts, whether it orthogonalizes the pieces of fused
+    weights separately (optim/split.py; Periodic Row-wise Muon works on whole matrices), and
+    why its step cannot be captured in one CUDA graph ("" when it can)."""
 
     cls: type
     fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
     own_keys: tuple[str, ...] = ()
     splits: bool = True
+    no_graph: str = ""
 
 
 PRMUON_KEYS = tuple(f.name for f in dataclasses.fields(PRMuonConfig))
@@ -36,7 +38,13 @@ NAMES: dict[str, Engine] = {
     "dion3": Engine(Dion3),
     "muon": Engine(Dion3, fixed={"fraction": 1.0, "flavor": "muon"}),
     "normuon": Engine(Dion3, fixed={"fraction": 1.0, "flavor": "normuon"}),
-    "prmuon": Engine(PeriodicRowwiseMuon, fixed=PRMUON_FIXED, own_keys=PRMUON_KEYS, splits=False),
+    "prmuon": Engine(
+        PeriodicRowwiseMuon,
+        fixed=PRMUON_FIXED,
+        own_keys=PRMUON_KEYS,
+        splits=False,
+        no_graph="its refresh and RowNorm steps would need two graphs",
+    ),
 }
 
 

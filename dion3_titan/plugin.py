@@ -28,7 +28,6 @@ from dion3_titan.metrics import OptimizerMetrics
 from dion3_titan.names import DION3_KEYS, NAMES, PRMUON_KEYS, resolve_options
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup
-from dion3_titan.optim.dion3 import Dion3
 from dion3_titan.optim.routing import build_param_groups
 from dion3_titan.optim.split import with_auto_split_specs
 
@@ -157,10 +156,10 @@ class Dion3OptimizersContainer(OptimizersContainer):
         elif not requested:
             return list(self.optimizers)
         graph_options = {} if warmup is None else {"warmup_steps": warmup}
-        if NAMES[cfg.name].cls is not Dion3:
+        if NAMES[cfg.name].no_graph:
             raise ValueError(
-                f"[optimizer] cuda_graph=true is not supported with name={cfg.name!r}: its refresh and "
-                "RowNorm steps would need two graphs; set cuda_graph=false"
+                f"[optimizer] cuda_graph=true is not supported with name={cfg.name!r}: "
+                f"{NAMES[cfg.name].no_graph}; set cuda_graph=false"
             )
         if not torch.cuda.is_available():
             raise ValueError("[optimizer] cuda_graph=true needs a CUDA GPU; set cuda_graph=false on this machine")
@@ -168,8 +167,8 @@ class Dion3OptimizersContainer(OptimizersContainer):
 
     def _graph_blocker(self, cfg: OptimizerConfig) -> str:
         """Why the step cannot be captured by default ("" when it can)."""
-        if NAMES[cfg.name].cls is not Dion3:
-            return f"name={cfg.name!r} runs two kinds of steps"
+        if NAMES[cfg.name].no_graph:
+            return f"name={cfg.name!r}: {NAMES[cfg.name].no_graph}"
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         if not params or not all(p.is_cuda for p in params):
             return "parameters not on a CUDA device"

@@ -82,12 +82,13 @@ class Dion3Optimizers(OptimizersContainer):
             for i, pg in enumerate(self.param_groups):
                 if pg.optimizer_name in OPTIMIZER_NAMES:
                     check_param_group(pg, i)
-            ours = {pg.optimizer_name for pg in self.param_groups} & set(OPTIMIZER_NAMES)
-            if self.cuda_graph and ours - {"Dion3", "Muon", "NorMuon"}:
-                raise ValueError(
-                    "cuda_graph=True is not supported with optimizer_name='PRMuon': its refresh and "
-                    "RowNorm steps would need two graphs; set cuda_graph=False"
-                )
+            ours = sorted({pg.optimizer_name for pg in self.param_groups} & set(OPTIMIZER_NAMES))
+            for name in ours if self.cuda_graph else ():
+                if NAMES[OPTIMIZER_NAMES[name]].no_graph:
+                    raise ValueError(
+                        f"cuda_graph=True is not supported with optimizer_name={name!r}: "
+                        f"{NAMES[OPTIMIZER_NAMES[name]].no_graph}; set cuda_graph=False"
+                    )
             if not isinstance(self.cuda_graph_warmup, int) or self.cuda_graph_warmup < 1:
                 raise ValueError(f"cuda_graph_warmup={self.cuda_graph_warmup!r}: must be an integer >= 1")
 
