@@ -372,7 +372,7 @@ def test_cuda_graph_default_names_why_it_stays_off_here() -> None:
     from dion3_titan.plugin import Dion3OptimizersContainer
 
     p = torch.nn.Parameter(torch.randn(8, 16))
-    for name, selection, words in [("dion3", "l1", "CUDA"), ("prmuon", "l1", "two kinds"), ("dion3", "random", "")]:
+    for name, selection, words in [("dion3", "l1", "CUDA"), ("prmuon", "l1", "two graphs"), ("dion3", "random", "")]:
         holder = SimpleNamespace(optimizers=[Dion3([p], lr=0.02, selection=selection)])
         why = Dion3OptimizersContainer._graph_blocker(holder, SimpleNamespace(name=name))
         assert why and words in why, (name, selection, why)
