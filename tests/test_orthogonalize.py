@@ -310,3 +310,40 @@ def test_normalize_batch_equals_concatenate_then_normalize(transposed, dtype):
     assert torch.equal(got, want)
     norms = torch.linalg.vector_norm(got.double(), dim=(-2, -1))
     assert torch.allclose(norms, torch.ones(6, dtype=torch.float64), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------ Gram-side padding
+class _PaddingOps(TorchOps):
+    """The torch backend asking for Gram sides rounded up to a multiple of 16."""
+
+    def gram_side(self, n: int) -> int:
+        return -(-n // 16) * 16
+
+
+@pytest.mark.parametrize("algorithm", ["gram", "standard"])
+@pytest.mark.parametrize("shape", [(3, 37, 90), (2, 90, 37), (2, 40, 40)], ids=["wide", "tall", "square"])
+def test_padding_to_the_backends_gram_side_changes_nothing(algorithm, shape, seed):
+    """A backend that runs at a larger Gram side (Triton: whole 128-row tiles) gets zero rows
+    added by ``orthogonalize``: the result has the input's shape and equals the unpadded run in
+    float64 to rounding, in either orientation; "auto" still resolves on the real shape (square:
+    standard NS)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    settings = NSSettings(algorithm, PE, (2,), torch.float64)
+    plain = orthogonalize(x, settings, TorchOps())
+    padded = orthogonalize(x, settings, _PaddingOps())
+    assert padded.shape == x.shape
+    assert _rel(padded, plain) < 1e-12, f"seed {seed}"
+    auto = NSSettings("auto", PE, (2,), torch.float64)
+    square = torch.randn(2, 40, 40, generator=g, dtype=torch.float64)
+    standard = orthogonalize(square, NSSettings("standard", PE, (2,), torch.float64), TorchOps())
+    assert _rel(orthogonalize(square, auto, _PaddingOps()), standard) < 1e-12, f"seed {seed}"
+
+
+def test_triton_gram_side_is_whole_tiles():
+    """Triton pads a Gram side above one tile to whole 128-row tiles (the persistent kernel's
+    condition) and leaves smaller ones alone."""
+    from dion3_titan.kernels.triton_ops import TritonOps
+
+    ops = TritonOps()
+    assert [ops.gram_side(n) for n in (64, 128, 129, 2752, 2816, 4096)] == [64, 128, 256, 2816, 2816, 4096]

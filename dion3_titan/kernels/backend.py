@@ -20,6 +20,12 @@ class Backend:
 
     name: str = "abstract"
 
+    def gram_side(self, n: int) -> int:
+        """The side at which this backend orthogonalizes a batch whose Gram side is n: zero
+        rows added up to it change nothing (they stay zero through Newton-Schulz) and let the
+        backend's kernels take their fastest form."""
+        return n
+
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b."""
         raise NotImplementedError

@@ -456,6 +456,12 @@ class TritonOps(TorchOps):
 
     name = "triton"
 
+    def gram_side(self, n: int) -> int:
+        # whole tiles: the persistent TMA kernel takes only sides that are a multiple of its
+        # block (docs/benchmarks.md, "Padding the Gram side")
+        block = TMA_CONFIG[0] if TMA_CONFIG is not None else 1
+        return n if n <= block else triton.cdiv(n, block) * block
+
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not self._runs(a):
             return super().sym_mm(a, b)

@@ -367,8 +367,15 @@ class Dion3(torch.optim.Optimizer):
             send_v = torch.nn.functional.pad(vs, (0, k - sel))
         ns = self._ns[sg.group_index]
         whole = every_row and not sg.exchange.moves_data and cols == sg.local_cols and k == sel
+        # orient by the real (unpadded) selected shape, see orthogonalize()
+        real_rows = sg.global_k if cfg.selection_scope == "global" else sum(min(sg.k, r) for r in sg.block_rows)
+        tall = real_rows > members[0].layout.global_cols
         if scores is not None:
-            owned, owned_v, normalized = self._pack_fused(sg, views, rows_per, valid, scores[1], send_v, every_row)
+            backend = select_backend(cfg.backend, (sg.batch, k, cols), cfg.compute_dtype, views[0].device)
+            side = k if tall else backend.gram_side(k)
+            owned, owned_v, normalized = self._pack_fused(
+                sg, views, rows_per, valid, scores[1], send_v, every_row, side
+            )
         elif whole and all(m.param.grad is not None for m in members):
             # The whole momentum stays here: normalize it straight into the NS batch (one
             # pass over each matrix instead of a float32 copy, its norm, a division and a cast).
@@ -385,24 +392,24 @@ class Dion3(torch.optim.Optimizer):
                 send = torch.nn.functional.pad(send, (0, cols - sg.local_cols, 0, k - sel))
             (owned, owned_v), normalized = sg.exchange.gather(send, send_v), False
         backend = select_backend(cfg.backend, tuple(owned.shape), cfg.compute_dtype, owned.device)
-        # orient by the real (unpadded) selected shape, see orthogonalize()
-        real_rows = sg.global_k if cfg.selection_scope == "global" else sum(min(sg.k, r) for r in sg.block_rows)
-        tall = real_rows > members[0].layout.global_cols
         ortho = orthogonalize(owned, ns, backend, tall, normalized)
+        if ortho.shape[1] > k and not sg.exchange.moves_data:  # rows packed at the backend's Gram side
+            owned, ortho = owned[:, :k], ortho[:, :k]
         return _GroupWork(
             sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row, scores is not None
         )
 
-    def _pack_fused(self, sg, views, rows_per, valid, sq, send_v, every_row):
-        """The row engine's 2-3: selected rows straight into the NS batch, normalized and cast
-        (nothing moves), or into the zero-padded send buffer (the owner normalizes)."""
+    def _pack_fused(self, sg, views, rows_per, valid, sq, send_v, every_row, side):
+        """The row engine's 2-3: selected rows straight into the NS batch of ``side`` rows (zero
+        rows past k), normalized and cast (nothing moves), or into the zero-padded send buffer
+        (the owner normalizes)."""
         ns = self._ns[sg.group_index]
         rows = None if every_row else list(rows_per)
         valids = None if valid is None else list(valid.split([m.layout.batch for m in sg.members]))
         active = [m.param.grad is not None for m in sg.members]
         if not sg.exchange.moves_data and sg.cols == sg.local_cols and sg.k == sg.selected:
             transposed = every_row and is_transposed_batch(views)
-            shape = (sg.batch, sg.k, sg.cols)
+            shape = (sg.batch, side, sg.cols)
             owned = engine.pack(views, rows, valids, active, shape, ns.dtype, sq, ns.eps, transposed)
             return owned, send_v, True
         send = engine.pack(views, rows, valids, active, (sg.batch, sg.k, sg.cols), views[0].dtype)

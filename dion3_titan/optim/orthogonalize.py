@@ -117,6 +117,8 @@ def orthogonalize(
     formed on the side of the real (unpadded) shape that is smaller, or its null space holds
     rounding noise that the iteration amplifies; zero rows or columns stay exactly zero.
     ``normalized``: x is already ``normalize_batch``'s output (scaled, in the compute dtype).
+    A Gram side the backend prefers larger (``Backend.gram_side``) is zero-padded here; a
+    caller that packs its batch at that side already avoids the copy.
     """
     if x.ndim != 3:
         raise ValueError(f"orthogonalize expects a (B, n, m) batch, got shape {tuple(x.shape)}")
@@ -125,11 +127,16 @@ def orthogonalize(
     if tall:
         x = x.mT
     n, m = x.shape[-2:]
+    algorithm = resolve_algorithm(settings.algorithm, n, m)  # of the real shape, before padding
     xn = x if normalized else _normalize(x, settings.eps, settings.dtype)
-    if resolve_algorithm(settings.algorithm, n, m) == "gram":
+    side = backend.gram_side(n)
+    if side > n:  # zero rows stay zero: the result's first n rows are unchanged
+        xn = torch.nn.functional.pad(xn, (0, 0, 0, side - n))
+    if algorithm == "gram":
         out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend)
     else:
         out = standard_newton_schulz(xn, settings.coefficients, backend)
+    out = out[:, :n]
     return out.mT if tall else out
 
 
