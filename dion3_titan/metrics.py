@@ -9,7 +9,7 @@ Reported (names as logged):
   (attention, mlp, experts, other) and of the AdamW parameters;
 - optimizer/selection/covered: share of rows selected at least once in the last ``window`` steps;
   optimizer/selection/oldest_unselected: age in steps of the longest-unselected row;
-- optimizer/ns_nonfinite: Newton-Schulz results that were not finite (recomputed or skipped),
+- optimizer/ns_nonfinite: Newton-Schulz results that were not finite (no update that step),
   optimizer/skipped_steps: steps skipped for non-finite gradients;
 - optimizer/peak_mem_GiB: peak device memory allocated during the step.
 """

@@ -7,7 +7,7 @@ import torch
 
 from dion3_titan.kernels.torch_ops import TorchOps
 from dion3_titan.optim.config import POLAR_EXPRESS, Dion3Config, coefficient_schedule
-from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
+from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import (
     NSSettings,
     _normalize,
@@ -210,10 +210,10 @@ def test_injected_negative_gram_eigenvalue_needs_restart():
 
 
 # ------------------------------------------------------------------------------ non-finite NS results
-def orthogonalize_checked(x, settings, backend, sync_check=True):
+def orthogonalize_checked(x, settings, backend):
     """orthogonalize, then the optimizer's non-finite check on its result (one batch)."""
     out = orthogonalize(x, settings, backend)
-    outs, bads = NonfiniteGuard("raise").orthogonalized([NSBatch(x, out, settings, backend)], sync_check)
+    outs, bads = NonfiniteGuard("raise").orthogonalized([out])
     return outs[0], bads[0]
 
 
@@ -233,8 +233,10 @@ class CorruptFirstGram(TorchOps):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_checked_recomputes_a_corrupted_matrix(dtype):
-    g = torch.Generator().manual_seed(21)
+def test_checked_zeroes_a_corrupted_matrix_only(dtype, seed):
+    """A matrix whose Newton-Schulz result is not finite becomes zero (its update subtracts
+    nothing this step) and is flagged; the other matrices of the batch keep their bits."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 8, 24, generator=g)
     settings = NSSettings("gram", PE, (2,), dtype)
     clean = orthogonalize(x, settings, TorchOps())
@@ -242,35 +244,19 @@ def test_checked_recomputes_a_corrupted_matrix(dtype):
     assert not torch.isfinite(orthogonalize(x, settings, CorruptFirstGram(1, 1))).all()
 
     out, bad = orthogonalize_checked(x, settings, CorruptFirstGram(1, 1))
-    assert bad.tolist() == [False, True, False]
-    assert torch.isfinite(out).all() and out.dtype == dtype
-    assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
-    tol = 2e-2 if dtype == torch.float16 else 1e-4
-    torch.testing.assert_close(out[1].float(), clean[1].float(), atol=tol, rtol=0)
+    assert bad.tolist() == [False, True, False], f"seed {seed}"
+    assert out.dtype == dtype and torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2]), f"seed {seed}"
 
 
-def test_checked_falls_back_when_the_retry_also_fails():
-    """The retry (restart every iteration) also fails on the corrupting backend -> the float32
-    standard-NS fallback (reference backend) provides the result."""
-    g = torch.Generator().manual_seed(22)
-    x = torch.randn(2, 8, 24, generator=g)
-    settings = NSSettings("gram", PE, (2,), torch.float16)
-    out, bad = orthogonalize_checked(x, settings, CorruptFirstGram(0, 10**6))
-    assert bad.tolist() == [True, False]
-    assert torch.isfinite(out).all()
-    ref = orthogonalize(x.float(), NSSettings("standard", PE, (), torch.float32), TorchOps())
-    torch.testing.assert_close(out[0].float(), ref[0], atol=2e-3, rtol=0)
-
-
-@pytest.mark.parametrize("sync_check", [True, False])
-def test_checked_never_returns_nonfinite_for_inf_input(sync_check):
+def test_checked_never_returns_nonfinite_for_inf_input(seed):
     """An input with inf cannot be orthogonalized at all: the result must still be finite
     (zero, i.e. no update) and flagged, never NaN."""
-    g = torch.Generator().manual_seed(23)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 8, 24, generator=g)
     x[1, 2, 3] = float("inf")
     settings = NSSettings("gram", PE, (2,), torch.float16)
-    out, bad = orthogonalize_checked(x, settings, TorchOps(), sync_check=sync_check)
+    out, bad = orthogonalize_checked(x, settings, TorchOps())
     assert bad.tolist() == [False, True, False]
     assert torch.isfinite(out).all()
     assert torch.equal(out[1], torch.zeros_like(out[1]))

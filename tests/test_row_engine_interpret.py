@@ -272,7 +272,7 @@ def _nonfinite_checks() -> list[dict]:
             _set_grads(opt, BAD_STEP, poison=NAMES[0])
             if captured:
                 opt.load_hyperparameters()
-                opt.step_body(sync_check=False)
+                opt.step_body()
             else:
                 opt.step()
             after = _snapshot(opt)

@@ -5,8 +5,9 @@ small kernels; replaying a CUDA graph turns their host cost into one launch. The
 rate and the matrices' weight decay stay live: they are device tensors refreshed before every
 replay, so LR schedules (torchtitan's LambdaLR) still apply. An AdamW group's weight decay,
 betas and eps are constants of the graph: changing one re-captures. Non-finite gradients are
-handled on the device as in an eager step (optim/nonfinite.py); the host reads a replay's flag
-at the next ``step()``, so "raise" raises there, with nothing of the bad step applied.
+handled on the device as in an eager step, and the host reads a replay's flag at the next
+``step()`` as it does an eager step's (optim/nonfinite.py): "raise" raises there, with nothing
+of the bad step applied.
 """
 
 import weakref
@@ -127,7 +128,7 @@ class GraphedOptimizer:
             self._stream = torch.cuda.Stream()
         opt.comm_stats.reset()
         with torch.cuda.graph(graph, stream=self._stream):
-            opt.step_body(sync_check=False)
+            opt.step_body()
         # the replayed step issues exactly the collectives the captured one did
         self.captured_comm = (opt.comm_stats.calls, opt.comm_stats.bytes)
         self._graph = graph
@@ -153,7 +154,6 @@ class GraphedOptimizer:
         """Free the graph (before the process group it captured collectives on goes away)."""
         if self._graph is not None:
             torch.cuda.synchronize()
-            self.optimizer.nonfinite.fetch()  # the last replay's flag lives in the graph's memory
             self._graph = None
             self._grads, self._grad_objects, self._params = [], [], []
 

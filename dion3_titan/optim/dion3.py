@@ -20,7 +20,7 @@ from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim import engine
 from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
-from dion3_titan.optim.nonfinite import NonfiniteGuard, NSBatch
+from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import NSSettings, is_transposed_batch, normalize_batch, orthogonalize
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.update import (
@@ -43,11 +43,9 @@ class _GroupWork:
     views: list[torch.Tensor]
     rows_per: tuple[torch.Tensor, ...]
     valid: torch.Tensor | None
-    owned: torch.Tensor
     owned_v: torch.Tensor | None
     ortho: torch.Tensor
     backend: Backend
-    tall: bool
     every_row: bool  # f = 1: rows are all of them, in order
     fused: bool  # the row engine runs this group's passes (optim/engine.py)
     void: torch.Tensor | None = None  # (N,) matrices whose NS result is taken as zero
@@ -236,12 +234,11 @@ class Dion3(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.nonfinite.resolve()  # a replayed step's flag not read yet (cuda_graph)
+        self.nonfinite.resolve()  # the previous step's flags: count a skipped step, or raise
         counters = [{k: g.get(k) for k in self.HOST_COUNTERS} for g in self.param_groups]
         self.load_hyperparameters()
-        self.step_body(sync_check=True)
-        self.nonfinite.issued()
-        self.nonfinite.resolve(undo=lambda: self._restore_counters(counters))
+        self.step_body()
+        self.nonfinite.issued(undo=lambda: self._restore_counters(counters))
         return loss
 
     def _restore_counters(self, counters: list[dict]) -> None:
@@ -280,28 +277,29 @@ class Dion3(torch.optim.Optimizer):
         self._hyper_values = values
 
     @torch.no_grad()
-    def step_body(self, sync_check: bool) -> None:
+    def step_body(self) -> None:
         """Everything a step does on the device, every state write gated by the gradients'
-        ``ok`` flag (optim/nonfinite.py). With ``sync_check`` False it never waits on the
-        device (required inside CUDA-graph capture)."""
+        ``ok`` flag (optim/nonfinite.py). It never waits on the device, so the same code runs
+        eagerly and inside a CUDA-graph capture."""
         self.nonfinite.check(self._named_grads(), self._device())
         for gi, (group, cfg) in enumerate(zip(self.param_groups, self._configs)):
             if cfg is None:
                 self._adamw_step(gi, group)
-        self._matrix_steps(self._groups, sync_check)
+        self._matrix_steps(self._groups)
+        self.nonfinite.publish()
 
-    def _matrix_steps(self, groups: list[ShapeGroup], sync_check: bool) -> None:
-        """The matrix pipeline over ``groups``: every gather and orthogonalization is issued
-        before any update, so one host check covers the whole step's NS results."""
+    def _matrix_steps(self, groups: list[ShapeGroup]) -> None:
+        """The matrix pipeline: momentum accumulation for every group, then each shape group
+        from selection to update before the next starts, so only one group's Newton-Schulz
+        buffers are alive at a time."""
         if self._step_t is not None:
             self._step_t += self.nonfinite.ok.to(torch.int64)
         self._seed_random_selection(groups)
         scores = self._accumulate(groups)
-        work = [self._orthogonalize_group(sg, scores.get(id(sg))) for sg in groups]
-        if work:
-            self._check_results(work, sync_check)
-        for w in work:
-            self._update_group(w)
+        for sg in groups:
+            work = self._orthogonalize_group(sg, scores.get(id(sg)))
+            self._check_result(work)
+            self._update_group(work)
 
     def _accumulate(self, groups: list[ShapeGroup]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """1. M <- M + G, once per parameter (a split parameter has several members). Groups
@@ -394,10 +392,8 @@ class Dion3(torch.optim.Optimizer):
         backend = select_backend(cfg.backend, tuple(owned.shape), cfg.compute_dtype, owned.device)
         ortho = orthogonalize(owned, ns, backend, tall, normalized)
         if ortho.shape[1] > k and not sg.exchange.moves_data:  # rows packed at the backend's Gram side
-            owned, ortho = owned[:, :k], ortho[:, :k]
-        return _GroupWork(
-            sg, cfg, views, rows_per, valid, owned, owned_v, ortho, backend, tall, every_row, scores is not None
-        )
+            ortho = ortho[:, :k]
+        return _GroupWork(sg, cfg, views, rows_per, valid, owned_v, ortho, backend, every_row, scores is not None)
 
     def _pack_fused(self, sg, views, rows_per, valid, sq, send_v, every_row, side):
         """The row engine's 2-3: selected rows straight into the NS batch of ``side`` rows (zero
@@ -416,17 +412,15 @@ class Dion3(torch.optim.Optimizer):
         owned, owned_v = sg.exchange.gather(send, send_v)
         return owned, owned_v, False
 
-    def _check_results(self, work: list["_GroupWork"], sync_check: bool) -> None:
-        """A non-finite NS result is never applied (optim/nonfinite.py decides how). In a
-        captured step where the row engine updates in place, the update kernel voids those
-        matrices itself (no pass over the batch)."""
-        batches = [NSBatch(w.owned, w.ortho, self._ns[w.sg.group_index], w.backend, w.tall) for w in work]
-        in_kernel = [not sync_check and w.fused and not w.sg.exchange.moves_data for w in work]
-        outs, bads = self.nonfinite.orthogonalized(batches, sync_check, void_in_kernel=in_kernel)
-        for w, out, bad, void in zip(work, outs, bads, in_kernel):
-            w.ortho = out
-            if void:
-                w.void = bad
+    def _check_result(self, w: "_GroupWork") -> None:
+        """A non-finite NS result is never applied (optim/nonfinite.py). Where the row engine
+        updates in place, the update kernel voids those matrices itself (no pass over the
+        batch)."""
+        in_kernel = w.fused and not w.sg.exchange.moves_data
+        outs, bads = self.nonfinite.orthogonalized([w.ortho], void_in_kernel=[in_kernel])
+        w.ortho = outs[0]
+        if in_kernel:
+            w.void = bads[0]
 
     def _update_group(self, w: "_GroupWork") -> None:
         """5-6: the flavor's normalization on the owner, scatter back, then the fused update with
@@ -589,8 +583,8 @@ class Dion3(torch.optim.Optimizer):
 
     @property
     def nonfinite_ns_events(self) -> int:
-        """Matrices whose Newton-Schulz result was not finite so far (recomputed in eager
-        steps, skipped in captured ones). Reading it synchronizes."""
+        """Matrices whose Newton-Schulz result was not finite so far (each got no update that
+        step). Reading it synchronizes."""
         return self.nonfinite.ns_events
 
     def _seed_random_selection(self, groups: list[ShapeGroup]) -> None:

@@ -15,32 +15,30 @@ ok = 0 parameters and state keep their bits:
 - AdamW runs torch's fused kernel with ``found_inf = 1 - ok``: it returns early, and its step
   counter is incremented and decremented back.
 
-The host learns the outcome afterwards: ``issued`` marks the step as queued and ``resolve``
-reads its flag (an eager step at its end, a replayed step at the next ``step()`` or metrics
-read), then counts the skipped step ("skip") or raises FloatingPointError naming the
-parameters ("raise"). Both paths run the same device code.
+A Newton-Schulz result that is not finite (fp16 overflow) is never applied either: that
+matrix's update is zero for the step (the update kernel voids it, or the result is zeroed),
+and ``ns_events`` counts it.
+
+The host learns the outcome afterwards, without waiting inside a step: the step's last device
+op copies its flags into pinned host memory (part of a captured step too), ``issued`` marks
+the step as queued, and ``resolve`` reads the flags at the next ``step()`` (or a metrics
+read), waiting for that step only, then counts the skipped step ("skip") or raises
+FloatingPointError naming the parameters ("raise"). Eager and replayed steps run the same
+device code and the same host code.
 """
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dion3_titan.kernels.backend import Backend
-from dion3_titan.optim.orthogonalize import NSSettings, nonfinite_matrices, repair_nonfinite
-
 POLICIES = ("raise", "skip")
 
 
-class NSBatch(NamedTuple):
-    """One batch given to ``orthogonalize`` and its result."""
-
-    x: torch.Tensor
-    out: torch.Tensor
-    settings: NSSettings
-    backend: Backend
-    tall: bool | None = None
+def nonfinite_matrices(out: torch.Tensor) -> torch.Tensor:
+    """(B,) mask of the matrices in a batch holding a NaN or inf."""
+    # max |x| per matrix in one reduction; NaN propagates through the max
+    return ~torch.linalg.vector_norm(out.flatten(1), ord=float("inf"), dim=1).isfinite()
 
 
 def _distributed() -> bool:
@@ -61,10 +59,10 @@ class NonfiniteGuard:
         self._ok_bool: torch.Tensor | None = None
         self._flags: torch.Tensor | None = None  # [ok, finite per gradient] on the device
         self._names: list[str] = []
-        self._host: list[float] | None = None  # ``_flags`` already read for the step in flight
+        self._host: torch.Tensor | None = None  # where the step's flags land (pinned on a GPU)
         self._pending = False
         self._event: torch.cuda.Event | None = None
-        self._read_stream: torch.cuda.Stream | None = None
+        self._undo: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------- device side (capturable)
     def check(self, named_grads: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> None:
@@ -84,7 +82,20 @@ class NonfiniteGuard:
         self.ok = self._flags[0]
         self._ok_bool = self.ok > 0
         self._names = [name for name, _ in named_grads]
-        self._host = None
+
+    def publish(self) -> None:
+        """The step's last device op: copy its flags to host memory, where ``resolve`` reads
+        them once the step is done. The buffer is pinned so the copy is asynchronous and can be
+        captured; it is allocated by the first (eager) step, never during a capture."""
+        flags = self._flags
+        if flags is None:
+            return
+        if not flags.is_cuda:
+            self._host = flags  # a CPU step has already run
+            return
+        if self._host is None or self._host.shape != flags.shape:
+            self._host = torch.empty(flags.shape, dtype=flags.dtype, device="cpu", pin_memory=True)
+        self._host.copy_(flags, non_blocking=True)
 
     def masked(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient when ``ok``, else -0.0 everywhere (an exact no-op to add)."""
@@ -113,35 +124,19 @@ class NonfiniteGuard:
         return 1.0 - self.ok
 
     def orthogonalized(
-        self, batches: Sequence[NSBatch], sync_check: bool, void_in_kernel: Sequence[bool] = ()
+        self, results: Sequence[torch.Tensor], void_in_kernel: Sequence[bool] = ()
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The batches' results with no non-finite matrix, and which matrices were not finite
-        (counted). With ``sync_check`` (eager steps: one host read for every batch, and the
-        gradient flag read with it) they are recomputed (``repair_nonfinite``); without it
-        (captured steps) they become zero, so that matrix's update subtracts nothing — except
-        where ``void_in_kernel`` says the update kernel zeroes them itself (the caller then
-        passes it the returned flags)."""
-        bads = [nonfinite_matrices(b.out) for b in batches]
+        """The Newton-Schulz results (B, n, m) with no non-finite matrix, and which matrices were not finite
+        (counted, on the device). A non-finite matrix becomes zero, so its update subtracts
+        nothing, except where ``void_in_kernel`` says the update kernel zeroes it itself (the
+        caller then passes it the returned flags): no pass over the batch."""
+        bads = [nonfinite_matrices(out) for out in results]
         for bad in bads:
             self._count_ns(bad)
-        if not sync_check:
-            voided = list(void_in_kernel) + [False] * (len(batches) - len(void_in_kernel))
-            zeroed = [
-                b.out if in_kernel else torch.where(bad[:, None, None], torch.zeros_like(b.out), b.out)
-                for b, bad, in_kernel in zip(batches, bads, voided)
-            ]
-            return zeroed, bads
-        if not bads:
-            return [], []
-        anys = torch.stack([bad.any() for bad in bads]).float()
-        if self._flags is not None and self._host is None:  # this step's gradient flag, same read
-            values = torch.cat([self._flags, anys]).tolist()
-            self._host, any_bad = values[: len(self._flags)], values[len(self._flags) :]
-        else:
-            any_bad = anys.tolist()
+        voided = list(void_in_kernel) + [False] * (len(results) - len(void_in_kernel))
         outs = [
-            repair_nonfinite(b.x, b.out, bad, b.settings, b.backend, b.tall) if flag else b.out
-            for b, bad, flag in zip(batches, bads, any_bad)
+            out if in_kernel else torch.where(bad[:, None, None], torch.zeros_like(out), out)
+            for out, bad, in_kernel in zip(results, bads, voided)
         ]
         return outs, bads
 
@@ -152,42 +147,28 @@ class NonfiniteGuard:
             self._ns_bad += bad.sum()
 
     # ----------------------------------------------------------------- host side
-    def issued(self) -> None:
-        """The step whose ``check`` ran last is queued: its flag is to be resolved."""
-        self._pending = True
+    def issued(self, undo: Callable[[], None] | None = None) -> None:
+        """The step whose flags were published last is queued; ``undo`` rolls back what the host
+        advanced for it (selection seeds, step counters) if it turns out skipped."""
+        self._pending = self._host is not None
+        self._undo = undo
         self._event = None
-        if self._host is None and self._flags is not None and self._flags.is_cuda:
+        if self._pending and self._host.is_pinned():
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def fetch(self) -> None:
-        """Read a pending flag now (its device memory is about to be freed); ``resolve`` acts
-        on it later."""
-        if self._pending and self._host is None:
-            self._host = self._read()
-
-    def _read(self) -> list[float]:
-        flags = self._flags
-        if self._event is None:
-            return flags.tolist()
-        # Wait for the step itself, not for the work queued after it (the next forward and
-        # backward): read on a stream that waits on the step's event only.
-        if self._read_stream is None:
-            self._read_stream = torch.cuda.Stream(device=flags.device)
-        self._read_stream.wait_event(self._event)
-        with torch.cuda.stream(self._read_stream):
-            return flags.tolist()
-
-    def resolve(self, undo: Callable[[], None] | None = None) -> None:
-        """Act on the flag of the last issued step, if not done yet. A skipped step is counted
-        ("skip"), or FloatingPointError names the parameters ("raise"); ``undo`` first rolls
-        back what the host advanced during that step (selection seeds, step counters). In a
+    def resolve(self) -> None:
+        """Act on the flags of the last issued step, if not done yet: wait for that step (not
+        for work queued after it), then count a skipped step ("skip") or raise
+        FloatingPointError naming the parameters ("raise"), after the step's ``undo``. In a
         distributed run every rank gets here at the same step (the flag is global)."""
         if not self._pending:
             return
         self._pending = False
-        host = self._host if self._host is not None else self._read()
-        self._host, self._event = None, None
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host.tolist()
+        undo, self._undo, self._event = self._undo, None, None
         if host[0] == 1.0:
             return
         if undo is not None:
