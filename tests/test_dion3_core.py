@@ -319,6 +319,11 @@ def test_nonfinite_gradient_raise_names_the_parameter():
     grads[2][3, 1] = float("nan")
     for p, g in zip(params, grads):
         p.grad = g
+    opt.step()  # the host learns of the bad gradient without waiting: at the next step
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    for p, g in zip(params, random_grads(1)):
+        p.grad = g
     with pytest.raises(FloatingPointError, match="tall"):
         opt.step()
     for p, b in zip(params, before):
