@@ -396,11 +396,9 @@ def timing_trainer() -> type:
             }
 
         def _captures(self) -> bool:
-            """Whether the optimizer step is replayed from a CUDA graph (the plugin's container
-            keeps what it steps per model part in ``_runners``; torchtitan's own has none)."""
-            from dion3_titan.optim.cuda_graph import GraphedOptimizer
-
-            return any(isinstance(r, GraphedOptimizer) for r in getattr(self.optimizers, "_runners", []))
+            """Whether the optimizer step is replayed from a CUDA graph (torchtitan's own
+            container, for AdamW, never captures)."""
+            return bool(getattr(self.optimizers, "cuda_graph", False))
 
         def _sync(self) -> None:
             if self._on_gpu:

@@ -185,6 +185,11 @@ class Dion3OptimizersContainer(OptimizersContainer):
             else:
                 runner.step(*args, **kwargs)
 
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether the step is replayed from CUDA graphs (the default's choice, or the config's)."""
+        return any(isinstance(r, GraphedOptimizer) for r in self._runners)
+
     def align_step(self, step: int) -> None:
         """The trainer's step, so that the logging steps stay aligned with it after a resume."""
         self._step = step
