@@ -117,7 +117,7 @@ def _checks(seed: int) -> list[dict]:
         rk.accumulate_scores(m, None, l1, sq)
         rows = [torch.stack([torch.randperm(30)[:8].sort().values]) for _ in range(2)]
         views = [m[:1], m[1:]]
-        got = engine.pack(views, rows, None, [True, True], (2, 8, 64), torch.float16, sq, 1e-7)
+        got = engine.pack(views, torch.cat(rows), None, [True, True], (2, 8, 64), torch.float16, sq, 1e-7)
         sel = torch.cat([take_rows(v, r) for v, r in zip(views, rows)])
         ref = sel / (torch.linalg.vector_norm(sel, dim=(-2, -1), keepdim=True) + 1e-7)
         out.append({"check": "pack_norm", "case": layout, "err": rel(got, ref)})
@@ -159,7 +159,7 @@ def _checks(seed: int) -> list[dict]:
                         m_ref.scatter_(1, idx, m_ref.gather(1, idx).mul_(factor))
                     ok = torch.tensor(mode != "skip")
                     slot = None if every else engine.slots(rows, valid, R)
-                    engine.update(w, mom, upd, slot, lr, decay, mu, den, scale, ok if mode == "skip" else None, void)
+                    rk.update_rows(w, mom, upd, slot, lr, decay, mu, den, scale, ok if mode == "skip" else None, void)
                     out.append(
                         {
                             "check": "update",
@@ -177,8 +177,245 @@ def _checks(seed: int) -> list[dict]:
         got = (o.float() / den[..., None]) * scale[:, None, None]
         out.append({"check": "normuon", "case": f"{K}x{C}", "err": max(rel(got, o_hat), rel(v_new, v_ref))})
 
+    out += _group_checks()
+    out += _launch_checks()
     out += _step_checks()
     out += _nonfinite_checks()
+    return out
+
+
+# members of one launch: layouts and stack sizes (columns contiguous, rows contiguous, mixed)
+GROUPS = [
+    (("rowmajor", "piece", "rowmajor"), (1, 3, 2)),
+    (("transposed", "transposed"), (2, 1)),
+    (("rowmajor", "transposed", "piece"), (1, 2, 1)),
+]
+
+
+def _members(dtype, layouts, batches, R: int, C: int) -> list:
+    """One fresh (B_i, R, C) view per member, each in its own allocation."""
+    return [_views(dtype, b, R, C)[layout] for layout, b in zip(layouts, batches)]
+
+
+def _row_state(batches, R: int) -> list:
+    """(B_i, R) float32 per-row state views, one strided (a piece of a longer state)."""
+    import torch
+
+    return [torch.rand(b, 2 * R)[:, ::2] if i == 0 else torch.rand(b, R) for i, b in enumerate(batches)]
+
+
+def _group_checks() -> list[dict]:
+    """The grouped launches (several members, each its own tensor, strides and stack size)
+    against the torch path member by member: accumulate (a member without gradient, the ok
+    gate), gather (ragged selection, padding, keep, an inactive member, NorMuon's row state),
+    update (valid, every row, NorMuon epilogue and row state, ok = 0, void matrices, an
+    inactive member, per-member lr scales)."""
+    import torch
+
+    from dion3_titan.kernels import row_engine as rk
+    from dion3_titan.kernels.torch_ops import _fused_update_reference
+    from dion3_titan.optim import engine
+    from dion3_titan.optim.update import l1_scores, take_rows
+
+    out: list[dict] = []
+    cache = rk.TableCache()
+
+    def spans(batches):
+        ends = torch.tensor(batches).cumsum(0).tolist()
+        return [slice(e - b, e) for b, e in zip(batches, ends)]
+
+    # accumulate + score
+    R, C = 19, 70
+    for dtype in (torch.float32, torch.bfloat16):
+        for layouts, batches in GROUPS:
+            for ok in (None, True, False):
+                ms = _members(dtype, layouts, batches, R, C)
+                gs = [None if i == 1 else torch.randn(m.shape).to(dtype) for i, m in enumerate(ms)]
+                refs = [m.clone() for m in ms]
+                for r, g in zip(refs, gs):
+                    if g is not None and ok is not False:
+                        torch._foreach_add_([r], [g])
+                N = sum(batches)
+                l1, sq = torch.full((N, R), float("nan")), torch.full((N, R), float("nan"))
+                rk.accumulate_scores_group(ms, gs, l1, sq, None if ok is None else torch.tensor(ok), cache)
+                ref = torch.cat(refs)
+                out.append(
+                    {
+                        "check": "group_accumulate",
+                        "case": f"{dtype},{layouts},{batches},ok={ok}",
+                        "bitwise": all(torch.equal(m, r) for m, r in zip(ms, refs)),
+                        "scores_err": max(
+                            ((l1 - l1_scores(ref)).abs().max() / l1_scores(ref).abs().max()).item(),
+                            ((sq - ref.float().square().sum(-1)).abs().max() / sq.abs().max()).item(),
+                        ),
+                    }
+                )
+
+    # gather + normalize + cast (and NorMuon's row state), into poisoned buffers
+    R, C, K, C_out = 23, 70, 9, 72
+    for layouts, batches in GROUPS:
+        for mode in ("rows", "rows+keep", "every"):
+            N, every = sum(batches), mode == "every"
+            n = R if every else K - 2  # ragged: fewer rows than K
+            kk = max(K, n)
+            ms = _members(torch.float32, layouts, batches, R, C)
+            rows = None if every else torch.stack([torch.randperm(R)[:n].sort().values for _ in range(N)])
+            keep = torch.rand(N, n) > 0.3 if mode == "rows+keep" else None
+            den = torch.rand(N) + 0.5
+            active = [i != 1 for i in range(len(ms))]
+            dest = torch.full((N, kk, C_out), float("nan")).half()
+            rk.gather_rows_group(ms, rows, dest, keep, den, active, cache)
+            picked = torch.cat(ms) if every else torch.cat([take_rows(m, rows[s]) for m, s in zip(ms, spans(batches))])
+            if keep is not None:
+                picked = picked * keep.unsqueeze(-1)
+            for s, a in zip(spans(batches), active):
+                if not a:
+                    picked[s] = 0
+            padded = torch.nn.functional.pad(picked, (0, C_out - C, 0, kk - n))
+            ref = torch.div(padded, den[:, None, None], out=torch.empty_like(padded, dtype=torch.float16))
+            states = _row_state(batches, R)
+            all_rows = torch.arange(R).expand(N, R) if every else rows
+            v = engine.gather_row_state(states, all_rows, kk, cache)
+            v_ref = torch.nn.functional.pad(torch.cat(states).gather(1, all_rows), (0, kk - n))
+            out.append(
+                {
+                    "check": "group_gather",
+                    "case": f"{layouts},{batches},{mode}",
+                    "bitwise": bool(torch.equal(dest, ref) and torch.equal(v, v_ref)),
+                }
+            )
+
+    # update + error feedback + NorMuon epilogue and row state + gates
+    R, C, k = 29, 70, 6
+    lr, decay, mu = torch.tensor(0.0173), torch.tensor(0.98), 0.95
+    for dtype in (torch.float32, torch.bfloat16):
+        for layouts, batches in GROUPS:
+            for mode in ("plain", "valid", "every", "normuon", "skip", "void"):
+                N, every = sum(batches), mode == "every"
+                kk = R if every else k
+                ws = _members(dtype, layouts, batches, R, C)
+                moms = _members(torch.float32, layouts, batches, R, C)
+                states = _row_state(batches, R)
+                scales = [1.0, 0.37, 2.5][: len(ws)]
+                active = [i != 1 for i in range(len(ws))]
+                rows = (
+                    torch.arange(R).expand(N, R)
+                    if every
+                    else torch.stack([torch.randperm(R)[:kk].sort().values for _ in range(N)])
+                )
+                valid = torch.rand(N, kk) > 0.4 if mode == "valid" else None
+                upd = torch.randn(N, kk, C + 3).half()[..., :C]  # a padded result, sliced
+                den = scale = v_new = None
+                applied = upd.float()
+                if mode in ("normuon", "valid"):  # NorMuon (with its row state), also masked
+                    den, scale, v_new = torch.rand(N, kk) + 0.5, torch.rand(N) + 0.5, torch.rand(N, kk)
+                    applied = (upd.float() / den[..., None]) * scale[:, None, None]
+                if valid is not None:
+                    applied = applied * valid.unsqueeze(-1)
+                void = None
+                if mode == "void":  # a non-finite result: the reference zeroes it
+                    void = torch.arange(N) % 2 == 0
+                    upd = torch.where(void[:, None, None], float("nan"), upd)
+                    applied = torch.where(void[:, None, None], 0.0, upd.float())
+                w_ref, m_ref, v_ref = [w.clone() for w in ws], [m.clone() for m in moms], [v.clone() for v in states]
+                for i, s in enumerate(spans(batches)):
+                    if mode == "skip" or not active[i]:
+                        continue
+                    _fused_update_reference(w_ref[i], applied[s], rows[s], lr * scales[i], decay)
+                    factor = mu if valid is None else torch.where(valid[s], mu, 1.0).unsqueeze(-1)
+                    idx = rows[s].unsqueeze(-1).expand(-1, -1, C)
+                    m_ref[i].scatter_(1, idx, m_ref[i].gather(1, idx).mul_(factor))
+                    if v_new is not None:
+                        old = v_ref[i].gather(1, rows[s])
+                        new = v_new[s] if valid is None else torch.where(valid[s], v_new[s], old)
+                        v_ref[i].scatter_(1, rows[s], new)
+                slot = None if every else engine.slots(rows, valid, R)
+                row_state = None if v_new is None else rk.RowState(states, v_new)
+                ok = torch.tensor(mode != "skip")
+                rk.update_rows_group(
+                    ws, moms, upd, slot, lr, decay, mu, scales, den, scale, ok, void, row_state, active, cache
+                )
+                same = [torch.equal(a, b) for a, b in zip(ws + moms + states, w_ref + m_ref + v_ref)]
+                out.append(
+                    {
+                        "check": "group_update",
+                        "case": f"{dtype},{layouts},{batches},k={kk},{mode}",
+                        "bitwise": all(same),
+                    }
+                )
+    return out
+
+
+def count_launches():
+    """A context manager counting Triton kernel launches by kernel name (every JIT function,
+    compiled or interpreted), through the launch entry point ``run``."""
+    import collections
+    import contextlib
+
+    from dion3_titan.kernels import row_engine as rk
+
+    cls = type(rk._update_rows_kernel)
+
+    @contextlib.contextmanager
+    def counting():
+        counts: collections.Counter = collections.Counter()
+        run = cls.run
+
+        def counted(self, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                counts[self.__name__] += 1
+            return run(self, *args, **kwargs)
+
+        cls.run = counted
+        try:
+            yield counts
+        finally:
+            cls.run = run
+
+    return counting()
+
+
+def _launch_checks() -> list[dict]:
+    """The Triton launches of a steady-state step (the second; gradients written in place, as
+    under a captured step) do not grow with the number of layers, and that step builds no
+    kernel table: both flavors, f = 1/4 and 1."""
+    import torch
+
+    from dion3_titan import Dion3
+    from dion3_titan.optim import engine
+
+    out = []
+    runs_on = engine.runs_on
+    engine.runs_on = lambda backend, p: True  # NS on torch (fast here); the row engine on
+    try:
+        for flavor in ("muon", "normuon"):
+            for fraction in (0.25, 1.0):
+                launches, builds = {}, {}
+                for layers in (1, 3):
+                    torch.manual_seed(0)
+                    shapes = [(12, 20), (20, 12), (2, 8, 6)] * layers
+                    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+                    opt = Dion3([{"params": params}], lr=0.02, fraction=fraction, flavor=flavor, backend="torch")
+                    for p in params:
+                        p.grad = torch.empty_like(p)
+                    for _ in range(2):
+                        for p in params:
+                            p.grad.copy_(torch.randn_like(p))
+                        before = opt._tables.builds
+                        with count_launches() as counts:
+                            opt.step()
+                    launches[layers], builds[layers] = dict(counts), opt._tables.builds - before
+                out.append(
+                    {
+                        "check": "launches",
+                        "case": f"{flavor},f={fraction}",
+                        "launches": launches,
+                        "steady_builds": builds,
+                        "groups": len(opt.shape_groups),
+                    }
+                )
+    finally:
+        engine.runs_on = runs_on
     return out
 
 
@@ -336,6 +573,20 @@ def test_step_with_engine_matches_reference_path(results) -> None:
     # the engine differs only in summation order of norms (fp16 NS input rounding)
     bad = [r for r in _of(results, "step") if not (r["err"] < 1e-2 and r["engine_used"])]
     assert not bad, bad
+
+
+def test_grouped_launches_match_the_torch_path_bitwise(results) -> None:
+    for check in ("group_accumulate", "group_gather", "group_update"):
+        bad = [r for r in _of(results, check) if not r["bitwise"] or r.get("scores_err", 0.0) > 1e-5]
+        assert not bad, bad  # each result carries the seed of its inputs
+
+
+def test_step_launches_do_not_grow_with_layers(results) -> None:
+    for r in _of(results, "launches"):
+        one, three = r["launches"]["1"], r["launches"]["3"]  # (JSON keys)
+        assert one == three, r  # whatever the number of layers
+        assert one["_update_rows_kernel"] == r["groups"], r  # one launch per shape group
+        assert set(r["steady_builds"].values()) == {0}, r  # a steady step builds no table
 
 
 def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:

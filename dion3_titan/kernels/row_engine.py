@@ -1,22 +1,36 @@
 """The row engine's Triton kernels: the memory-bound passes of a Dion3 step, each byte once.
 
 At f < 1 a step is a small Newton-Schulz wrapped in passes over float32 momentum and weights.
-Three kernels cover those passes, each on one (B, R, C) view (any strides: row-major,
-transposed for column selection, strided pieces, 3D stacks):
+Three kernels cover those passes, each launched once for a whole shape group: every member's
+(B, R, C) view (any strides: row-major, transposed for column selection, strided pieces, 3D
+stacks) is one operand, described per matrix in a small device table (``Operand``), so one grid
+covers all members and the launch count of a step does not grow with the number of layers.
 
 * ``accumulate_scores``: M += G, and each row's l1 norm (selection) and sum of squares (so the
   Frobenius norm of the selected rows needs no second read of M), in one pass.
 * ``gather_rows``: the selected rows of M straight into the zero-padded Newton-Schulz batch or
-  send buffer, divided by a per-matrix denominator (the normalization) and cast once.
-* ``update_rows``: W <- decay * W on every row, W[sel] -= lr * U with one rounding, M[sel] *= mu
-  (error feedback), and the NorMuon epilogue U = (O / d_row) * s_matrix, in one pass.
+  send buffer, divided by a per-matrix denominator (the normalization) and cast once; also
+  NorMuon's per-row second moment of the selected rows.
+* ``update_rows``: W <- decay * W on every row, W[sel] -= lr * lr_scale * U with one rounding,
+  M[sel] *= mu (error feedback), the NorMuon epilogue U = (O / d_row) * s_matrix, and the new
+  second moment of the selected rows, in one pass.
 
 The arithmetic follows the torch reference path operation for operation (no FMA contraction),
 so float32 state comes out bit-identical where the reference rounds once. Everything here runs
 under ``TRITON_INTERPRET=1`` on CPU tensors (the CPU tests check it there).
+
+Operand tables hold element offsets from a base tensor (the first present view), not raw
+addresses: the kernel takes the base as an ordinary pointer argument, which Triton's
+interpreter and every Triton version handle alike, and the table of a single tensor depends
+only on its shape and strides (the same table serves every step's fresh buffers).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import triton
@@ -35,99 +49,275 @@ TILES: dict[str, tuple[int, int, int]] = {
     "transposed": (64, 64, 4),
 }
 
+# Operand layouts (a constexpr of the kernels): which stride is 1 in every view of the operand.
+GENERAL, COLS_UNIT, ROWS_UNIT = 0, 1, 2
 
-def _tiles(kind: str, *views: torch.Tensor) -> tuple[int, int, int]:
-    if all(v.stride(-1) == 1 or v.shape[-1] == 1 for v in views):
-        return TILES[kind]
-    return TILES["transposed"]
+T = TypeVar("T")
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class TableCache:
+    """The kernels' device tables, built once and reused: a steady-state step builds nothing
+    on the host and copies no table. A key holds everything its table depends on. Beyond
+    ``capacity`` the least recently used entry goes, except entries a CUDA-graph capture
+    used: the graph reads them on every replay, so they live as long as the cache.
+
+    A table is built from a pinned host tensor by an asynchronous copy. A capture cannot do
+    that (pinned allocation and pageable copies are not capturable), so a table missing
+    during a capture is an error: the eager warm-up step before a capture builds them all."""
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[Hashable, object] = OrderedDict()
+        self._captured: dict[Hashable, object] = {}
+        self.builds = 0  # tables built so far (tests check a steady step builds none)
+
+    def get(self, key: Hashable, device: torch.device, build: Callable[[], T]) -> T:
+        """The entry of ``key``, made by ``build()`` (which calls ``device_table``) if new."""
+        capturing = _capturing(device)
+        if key in self._captured:
+            return self._captured[key]
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            value = self._entries[key]
+        else:
+            if capturing:
+                raise RuntimeError(
+                    "row engine: a kernel table is missing during CUDA-graph capture (tables are "
+                    "built by an eager step, which must run before every capture)"
+                )
+            value = build()
+            self.builds += 1
+            self._entries[key] = value
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        if capturing:
+            self._captured[key] = value
+        return value
+
+
+def device_table(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A table on ``device``: from a pinned host tensor, copied asynchronously (the host
+    allocator keeps the pinned block until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    out = torch.empty(host.shape, dtype=dtype, device=device)
+    out.copy_(host.pin_memory(), non_blocking=True)
+    return out
+
+
+TABLES = TableCache()  # for callers that keep no cache of their own (single tensors, benchmarks)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A launch's views, one kernel argument: ``base`` (the first present view; its pointer)
+    and ``table`` (N, 4) int64 on the device, per matrix [offset from the base in elements,
+    row stride, column stride, present (0: this matrix has no such view)]."""
+
+    base: torch.Tensor
+    table: torch.Tensor
+    layout: int  # GENERAL, COLS_UNIT or ROWS_UNIT: the stride that is 1 in every present view
+    align: int  # offsets and the other strides are multiples of it (vector loads on a GPU)
+
+
+def _layout_align(views: list[torch.Tensor], offsets: list[int]) -> tuple[int, int]:
+    if all(v.stride(2) == 1 or v.shape[2] == 1 for v in views):
+        layout, strides = COLS_UNIT, [v.stride(1) for v in views]
+    elif all(v.stride(1) == 1 or v.shape[1] == 1 for v in views):
+        layout, strides = ROWS_UNIT, [v.stride(2) for v in views]
+    else:
+        layout, strides = GENERAL, [s for v in views for s in v.stride()[1:]]
+    align = max(1, 16 // views[0].element_size())
+    while align > 1 and any(x % align for x in offsets + strides):
+        align //= 2
+    return layout, align
+
+
+def operand(
+    views: Sequence[torch.Tensor], present: Sequence[bool] | None = None, cache: TableCache = TABLES
+) -> Operand:
+    """The (B_i, R, C) ``views`` as one operand (all of one dtype and device, same R and C).
+    ``present[i]`` False: view i only stands in for its matrices (never read nor written)."""
+    here = [True] * len(views) if present is None else [bool(p) for p in present]
+    base = next((v for v, p in zip(views, here) if p), views[0])
+    if any(v.dim() != 3 or v.shape[1:] != base.shape[1:] for v in views):
+        raise ValueError(f"row engine: views must be (B, R, C) of one R, C: {[tuple(v.shape) for v in views]}")
+    if any(p and (v.dtype != base.dtype or v.device != base.device) for v, p in zip(views, here)):
+        raise ValueError("row engine: the views of one operand must share dtype and device")
+    size, origin = base.element_size(), base.data_ptr()
+    # what the table depends on: addresses relative to the base (none for a single tensor)
+    key = ("view", base.dtype, base.device) + tuple(
+        (v.data_ptr() - origin if p else 0, tuple(v.shape), v.stride(), p) for v, p in zip(views, here)
+    )
+
+    def build() -> tuple[torch.Tensor, int, int]:
+        rows, offsets = [], []
+        for v, p in zip(views, here):
+            if not p:  # never dereferenced: zeros (a multiple of any alignment)
+                rows += [[0, 0, 0, 0]] * v.shape[0]
+                continue
+            delta, rest = divmod(v.data_ptr() - origin, size)
+            if rest:
+                raise ValueError("row engine: a view is not aligned to its element size")
+            starts = [delta + b * v.stride(0) for b in range(v.shape[0])]
+            rows += [[s, v.stride(1), v.stride(2), 1] for s in starts]
+            offsets += starts
+        live = [v for v, p in zip(views, here) if p]
+        layout, align = _layout_align(live or [base], offsets)
+        return device_table(rows, torch.int64, base.device), layout, align
+
+    table, layout, align = cache.get(key, base.device, build)
+    return Operand(base, table, layout, align)
+
+
+def _scales(values: Sequence[float], device: torch.device, cache: TableCache) -> torch.Tensor:
+    """(N,) float32 per-matrix factors (the members' learning-rate scales), cached."""
+    key = ("scales", device, tuple(values))
+    return cache.get(key, device, lambda: device_table(list(values), torch.float32, device))
+
+
+def _flag(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A bool device flag as uint8 (same bytes, a dtype every Triton loads)."""
+    return t.view(torch.uint8) if t is not None and t.dtype == torch.bool else t
+
+
+def _tiles(kind: str, *layouts: int) -> tuple[int, int, int]:
+    return TILES[kind] if all(x == COLS_UNIT for x in layouts) else TILES["transposed"]
+
+
+def _tensor_layout(t: torch.Tensor) -> int:
+    return COLS_UNIT if t.stride(-1) == 1 or t.shape[-1] == 1 else GENERAL
+
+
+@triton.jit
+def _view(tab, n, LAYOUT: tl.constexpr, ALIGN: tl.constexpr):
+    """Matrix n of an operand: (offset from the base, row stride, column stride, present).
+    LAYOUT 1 (COLS_UNIT) and 2 (ROWS_UNIT) make that stride the constant 1, and ALIGN tells
+    the compiler what the rest are multiples of: what a plain tensor argument's specialization
+    would have told it (coalesced, vectorized loads)."""
+    entry = tab + n * 4
+    off = tl.multiple_of(tl.load(entry), ALIGN)
+    if LAYOUT == 2:
+        s_r = 1
+    else:
+        s_r = tl.multiple_of(tl.load(entry + 1), ALIGN)
+    if LAYOUT == 1:
+        s_c = 1
+    else:
+        s_c = tl.multiple_of(tl.load(entry + 2), ALIGN)
+    return off, s_r, s_c, tl.load(entry + 3)
+
+
+@triton.jit
+def _per_row(x, BLOCK_R: tl.constexpr):
+    """A scalar flag broadcast to a (BLOCK_R,) bool vector."""
+    return (tl.zeros([BLOCK_R], dtype=tl.int32) + x.to(tl.int32)) != 0
 
 
 @triton.jit
 def _accumulate_scores_kernel(
     m_ptr,
+    m_tab,
     g_ptr,
+    g_tab,
     l1_ptr,
     sq_ptr,
     ok_ptr,
     num_rows,
     num_cols,
-    s_mb,
-    s_mr,
-    s_mc,
-    s_gb,
-    s_gr,
-    s_gc,
     s_ob,
     s_or,
+    M_LAYOUT: tl.constexpr,
+    M_ALIGN: tl.constexpr,
+    G_LAYOUT: tl.constexpr,
+    G_ALIGN: tl.constexpr,
     HAS_G: tl.constexpr,
     HAS_OK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    batch = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(0).to(tl.int64)  # the matrix
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
+    m_off, m_sr, m_sc, _ = _view(m_tab, n, M_LAYOUT, M_ALIGN)
     # elementwise partial sums, reduced once after the loop (no cross-warp reduction per tile)
     l1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     sq = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    if HAS_OK:  # a step judged not finite leaves the momentum as it is
-        add = ((tl.zeros([BLOCK_R], dtype=tl.int32) + tl.load(ok_ptr).to(tl.int32)) != 0)[:, None]
+    if HAS_G:
+        # a matrix without a gradient, or a step judged not finite, leaves the momentum as it is
+        g_off, g_sr, g_sc, g_here = _view(g_tab, n, G_LAYOUT, G_ALIGN)
+        add = _per_row(g_here, BLOCK_R)
+        if HAS_OK:
+            add = add & _per_row(tl.load(ok_ptr), BLOCK_R)
+        add = add[:, None]
     for c0 in range(0, num_cols, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
+        cols64 = cols[None, :].to(tl.int64)
         mask = row_ok[:, None] & (cols[None, :] < num_cols)
-        m_ptrs = m_ptr + batch * s_mb + rows64[:, None] * s_mr + cols[None, :].to(tl.int64) * s_mc
+        m_ptrs = m_ptr + m_off + rows64[:, None] * m_sr + cols64 * m_sc
         m = tl.load(m_ptrs, mask=mask, other=0.0)
         if HAS_G:
-            g_ptrs = g_ptr + batch * s_gb + rows64[:, None] * s_gr + cols[None, :].to(tl.int64) * s_gc
-            g = tl.load(g_ptrs, mask=mask, other=0.0)
+            g_ptrs = g_ptr + g_off + rows64[:, None] * g_sr + cols64 * g_sc
+            g = tl.load(g_ptrs, mask=mask & add, other=0.0)
             new = round_to(m.to(tl.float32) + g.to(tl.float32), m_ptr.dtype.element_ty, INTERPRET)
-            if HAS_OK:
-                tl.store(m_ptrs, new, mask=mask & add)
-                m = tl.where(add, new, m)
-            else:
-                tl.store(m_ptrs, new, mask=mask)
-                m = new
+            tl.store(m_ptrs, new, mask=mask & add)
+            m = tl.where(add, new, m)
         x = m.to(tl.float32)  # the stored value: what the reference scores
         l1 += tl.abs(x)
         sq += x * x
-    tl.store(l1_ptr + batch * s_ob + rows64 * s_or, tl.sum(l1, axis=1), mask=row_ok)
-    tl.store(sq_ptr + batch * s_ob + rows64 * s_or, tl.sum(sq, axis=1), mask=row_ok)
+    tl.store(l1_ptr + n * s_ob + rows64 * s_or, tl.sum(l1, axis=1), mask=row_ok)
+    tl.store(sq_ptr + n * s_ob + rows64 * s_or, tl.sum(sq, axis=1), mask=row_ok)
 
 
-def accumulate_scores(
-    m: torch.Tensor, g: torch.Tensor | None, l1: torch.Tensor, sq: torch.Tensor, ok: torch.Tensor | None = None
+def accumulate_scores_group(
+    ms: Sequence[torch.Tensor],
+    gs: Sequence[torch.Tensor | None] | None,
+    l1: torch.Tensor,
+    sq: torch.Tensor,
+    ok: torch.Tensor | None = None,
+    cache: TableCache = TABLES,
 ) -> None:
-    """m (B, R, C) += g (same shape; None: only score), in place, rounded once to m's dtype;
-    l1 (B, R) and sq (B, R) float32 receive each row's l1 norm and sum of squares of the new
-    m. ``ok`` (0-dim device tensor): where zero, m is left as it is (and scored so). No host
-    sync."""
-    B, R, C = m.shape
-    if g is not None and g.shape != m.shape:
-        raise ValueError(f"accumulate_scores: gradient shape {tuple(g.shape)} != momentum shape {tuple(m.shape)}")
-    if l1.shape != (B, R) or sq.shape != (B, R) or l1.stride() != sq.stride():
-        raise ValueError(f"accumulate_scores: l1 and sq must both be ({B}, {R}) with equal strides")
-    if B == 0 or R == 0:
+    """Each m (B_i, R, C) += its g (same shape; None: only score), in place, rounded once to
+    m's dtype; l1 (N, R) and sq (N, R) float32 (N = sum B_i, the views in order) receive each
+    row's l1 norm and sum of squares of the new m. ``ok`` (0-dim device tensor): where zero,
+    m is left as it is (and scored so). One launch, no host sync."""
+    gs = [None] * len(ms) if gs is None else list(gs)
+    for m, g in zip(ms, gs):
+        if g is not None and g.shape != m.shape:
+            raise ValueError(f"accumulate_scores: gradient shape {tuple(g.shape)} != momentum shape {tuple(m.shape)}")
+    N, (R, C) = sum(m.shape[0] for m in ms), ms[0].shape[1:]
+    if l1.shape != (N, R) or sq.shape != (N, R) or l1.stride() != sq.stride():
+        raise ValueError(f"accumulate_scores: l1 and sq must both be ({N}, {R}) with equal strides")
+    if N == 0 or R == 0:
         return
-    block_r, block_c, warps = _tiles("accumulate", m) if g is None else _tiles("accumulate", m, g)
+    mo = operand(ms, cache=cache)
+    has_g = any(g is not None for g in gs)
+    go = operand([m if g is None else g for m, g in zip(ms, gs)], [g is not None for g in gs], cache) if has_g else mo
+    block_r, block_c, warps = _tiles("accumulate", mo.layout, go.layout)
     block_c = min(block_c, triton.next_power_of_2(max(C, 1)))
-    g_arg, g_strides = (g, g.stride()) if g is not None else (m, (0, 0, 0))
-    grid = (B, triton.cdiv(R, block_r))
-    if ok is not None and ok.dtype == torch.bool:
-        ok = ok.view(torch.uint8)  # same byte, a dtype every Triton loads
-    _accumulate_scores_kernel[grid](
-        m,
-        g_arg,
+    _accumulate_scores_kernel[(N, triton.cdiv(R, block_r))](
+        mo.base,
+        mo.table,
+        go.base,
+        go.table,
         l1,
         sq,
-        ok if ok is not None else l1,
+        _flag(ok) if ok is not None else l1,
         R,
         C,
-        *m.stride(),
-        *g_strides,
         *l1.stride(),
-        HAS_G=g is not None,
+        M_LAYOUT=mo.layout,
+        M_ALIGN=mo.align,
+        G_LAYOUT=go.layout,
+        G_ALIGN=go.align,
+        HAS_G=has_g,
         HAS_OK=ok is not None,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
@@ -137,9 +327,17 @@ def accumulate_scores(
     )
 
 
+def accumulate_scores(
+    m: torch.Tensor, g: torch.Tensor | None, l1: torch.Tensor, sq: torch.Tensor, ok: torch.Tensor | None = None
+) -> None:
+    """``accumulate_scores_group`` of one (B, R, C) view: l1 and sq are (B, R)."""
+    accumulate_scores_group([m], [g], l1, sq, ok)
+
+
 @triton.jit
 def _gather_rows_kernel(
     m_ptr,
+    m_tab,
     rows_ptr,
     keep_ptr,
     den_ptr,
@@ -148,14 +346,13 @@ def _gather_rows_kernel(
     num_cols,
     out_rows,
     out_cols,
-    s_mb,
-    s_mr,
-    s_mc,
     s_rb,
     s_rk,
     s_ob,
     s_or,
     s_oc,
+    M_LAYOUT: tl.constexpr,
+    M_ALIGN: tl.constexpr,
     EVERY: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_DEN: tl.constexpr,
@@ -163,66 +360,71 @@ def _gather_rows_kernel(
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    batch = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(0).to(tl.int64)  # the matrix
     j = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # destination rows
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    live = j < num_sel
+    m_off, m_sr, m_sc, active = _view(m_tab, n, M_LAYOUT, M_ALIGN)
+    live = (j < num_sel) & _per_row(active, BLOCK_R)  # an inactive matrix is all zeros
     if EVERY:
         src = j
     else:
-        src = tl.load(rows_ptr + batch * s_rb + j * s_rk, mask=live, other=0)
+        src = tl.load(rows_ptr + n * s_rb + j * s_rk, mask=live, other=0)
     if HAS_KEEP:
-        live = live & (tl.load(keep_ptr + batch * s_rb + j * s_rk, mask=live, other=0) != 0)
+        live = live & (tl.load(keep_ptr + n * s_rb + j * s_rk, mask=live, other=0) != 0)
     mask = live[:, None] & (cols[None, :] < num_cols)
-    m_ptrs = m_ptr + batch * s_mb + src.to(tl.int64)[:, None] * s_mr + cols[None, :].to(tl.int64) * s_mc
+    m_ptrs = m_ptr + m_off + src.to(tl.int64)[:, None] * m_sr + cols[None, :].to(tl.int64) * m_sc
     x = tl.load(m_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DEN:
-        x = tl.div_rn(x, tl.load(den_ptr + batch))  # IEEE division, as torch divides
+        x = tl.div_rn(x, tl.load(den_ptr + n))  # IEEE division, as torch divides
     out_mask = (j < out_rows)[:, None] & (cols[None, :] < out_cols)
-    o_ptrs = out_ptr + batch * s_ob + j.to(tl.int64)[:, None] * s_or + cols[None, :].to(tl.int64) * s_oc
+    o_ptrs = out_ptr + n * s_ob + j.to(tl.int64)[:, None] * s_or + cols[None, :].to(tl.int64) * s_oc
     tl.store(o_ptrs, round_to(tl.where(mask, x, 0.0), out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
 
 
-def gather_rows(
-    m: torch.Tensor,
+def gather_rows_group(
+    ms: Sequence[torch.Tensor],
     rows: torch.Tensor | None,
     out: torch.Tensor,
     keep: torch.Tensor | None = None,
     denominator: torch.Tensor | None = None,
-    active: bool = True,
+    active: Sequence[bool] | None = None,
+    cache: TableCache = TABLES,
 ) -> None:
-    """out (B, K, C_out) <- rows ``rows`` (B, n) of m (B, R, C) (None: every row, in order),
-    divided by ``denominator`` (B,) float32 when given, rounded once to out's dtype. Rows past
-    n, columns past C, rows whose ``keep`` (B, n) is False, and everything when ``active`` is
-    False are written as zeros: out needs no clearing."""
-    B, R, C = m.shape
+    """out (N, K, C_out) <- rows ``rows`` (N, n) of the views ms (B_i, R, C) (N = sum B_i, in
+    order; None: every row, in order), divided by ``denominator`` (N,) float32 when given,
+    rounded once to out's dtype. Rows past n, columns past C, rows whose ``keep`` (N, n) is
+    False, and every row of a view whose ``active`` entry is False are written as zeros: out
+    needs no clearing. One launch."""
+    N, (R, C) = sum(m.shape[0] for m in ms), ms[0].shape[1:]
     _, K, C_out = out.shape
     n = R if rows is None else rows.shape[1]
-    if out.shape[0] != B or n > K or C > C_out:
-        raise ValueError(f"gather_rows: cannot place {n} rows of {tuple(m.shape)} into {tuple(out.shape)}")
-    if B == 0 or K == 0 or C_out == 0:
+    if out.shape[0] != N or n > K or C > C_out or (rows is not None and rows.shape[0] != N):
+        raise ValueError(f"gather_rows: cannot place {n} rows of {N} x {R} x {C} into {tuple(out.shape)}")
+    if N == 0 or K == 0 or C_out == 0:
         return
     if rows is not None and keep is not None and keep.stride() != rows.stride():
         keep = keep.contiguous()
         rows = rows.contiguous()
+    mo = operand(ms, active, cache)
     idx = rows if rows is not None else out  # never read when EVERY
-    r_strides = rows.stride() if rows is not None else (0, 0)
-    block_r, block_c, warps = _tiles("gather", m, out)
+    block_r, block_c, warps = _tiles("gather", mo.layout, _tensor_layout(out))
     block_c = min(block_c, triton.next_power_of_2(C_out))
-    grid = (B, triton.cdiv(K, block_r), triton.cdiv(C_out, block_c))
+    grid = (N, triton.cdiv(K, block_r), triton.cdiv(C_out, block_c))
     _gather_rows_kernel[grid](
-        m,
+        mo.base,
+        mo.table,
         idx,
         keep if keep is not None else idx,
         denominator if denominator is not None else out,
         out,
-        n if active else 0,
+        n,
         C,
         K,
         C_out,
-        *m.stride(),
-        *r_strides,
+        *(rows.stride() if rows is not None else (0, 0)),
         *out.stride(),
+        M_LAYOUT=mo.layout,
+        M_ALIGN=mo.align,
         EVERY=rows is None,
         HAS_KEEP=keep is not None,
         HAS_DEN=denominator is not None,
@@ -234,13 +436,31 @@ def gather_rows(
     )
 
 
+def gather_rows(
+    m: torch.Tensor,
+    rows: torch.Tensor | None,
+    out: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    denominator: torch.Tensor | None = None,
+    active: bool = True,
+) -> None:
+    """``gather_rows_group`` of one (B, R, C) view (rows (B, n), out (B, K, C_out))."""
+    gather_rows_group([m], rows, out, keep, denominator, [active])
+
+
 @triton.jit
 def _update_rows_kernel(
     w_ptr,
+    w_tab,
     m_ptr,
+    m_tab,
+    v_ptr,
+    v_tab,
     u_ptr,
     slot_ptr,
+    v_new_ptr,
     lr_ptr,
+    lr_scale_ptr,
     decay_ptr,
     den_ptr,
     scale_ptr,
@@ -249,12 +469,6 @@ def _update_rows_kernel(
     mu,
     num_rows,
     num_cols,
-    s_wb,
-    s_wr,
-    s_wc,
-    s_mb,
-    s_mr,
-    s_mc,
     s_ub,
     s_uk,
     s_uc,
@@ -262,55 +476,71 @@ def _update_rows_kernel(
     s_sr,
     s_db,
     s_dk,
+    s_nb,
+    s_nk,
+    W_LAYOUT: tl.constexpr,
+    W_ALIGN: tl.constexpr,
+    M_LAYOUT: tl.constexpr,
+    M_ALIGN: tl.constexpr,
     EVERY: tl.constexpr,
     NORMUON: tl.constexpr,
     HAS_OK: tl.constexpr,
     HAS_VOID: tl.constexpr,
     DECAY_M: tl.constexpr,
+    HAS_LR_SCALE: tl.constexpr,
+    HAS_V: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    batch = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(0).to(tl.int64)  # the matrix
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_ok = rows < num_rows
+    w_off, w_sr, w_sc, active = _view(w_tab, n, W_LAYOUT, W_ALIGN)
+    row_ok = (rows < num_rows) & _per_row(active, BLOCK_R)  # an inactive matrix is left as it is
     if EVERY:
         slot = rows
-    else:  # slot[b, r]: position of row r among the selected rows, -1 if not selected
-        slot = tl.load(slot_ptr + batch * s_sb + rows * s_sr, mask=row_ok, other=-1)
+    else:  # slot[n, r]: position of row r among the selected rows, -1 if not selected
+        slot = tl.load(slot_ptr + n * s_sb + rows * s_sr, mask=row_ok, other=-1)
     selected = row_ok & (slot >= 0)
-    if HAS_OK:  # a step judged not finite leaves weights and momentum as they are
-        ok_rows = tl.zeros([BLOCK_R], dtype=tl.int32) + tl.load(ok_ptr).to(tl.int32)
-        selected = selected & (ok_rows != 0)
+    if HAS_OK:  # a step judged not finite leaves weights, momentum and row state as they are
+        selected = selected & _per_row(tl.load(ok_ptr), BLOCK_R)
     mask = row_ok[:, None] & (cols[None, :] < num_cols)
     sel_mask = selected[:, None] & mask
     slot64 = tl.maximum(slot, 0).to(tl.int64)
+    rows64 = rows[:, None].to(tl.int64)
     cols64 = cols[None, :].to(tl.int64)
     lr = tl.load(lr_ptr)
+    if HAS_LR_SCALE:  # the member's learning-rate multiplier, as the reference's lr * scale
+        lr = lr * tl.load(lr_scale_ptr + n)
     decay = tl.load(decay_ptr)
     if HAS_OK:
         decay = tl.where(tl.load(ok_ptr).to(tl.int32) != 0, decay, 1.0)
 
-    w_ptrs = w_ptr + batch * s_wb + rows[:, None].to(tl.int64) * s_wr + cols64 * s_wc
+    w_ptrs = w_ptr + w_off + rows64 * w_sr + cols64 * w_sc
     w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     # The reference's roundings, (w * decay) - (lr * u); the launch disables FMA contraction.
     new = w * decay
     # Most tiles hold no selected row (f < 1): they only decay, with no update arithmetic.
     if tl.max(selected.to(tl.int32), axis=0) > 0:
-        u = tl.load(u_ptr + batch * s_ub + slot64[:, None] * s_uk + cols64 * s_uc, mask=sel_mask, other=0.0)
+        u = tl.load(u_ptr + n * s_ub + slot64[:, None] * s_uk + cols64 * s_uc, mask=sel_mask, other=0.0)
         u = u.to(tl.float32)
         if NORMUON:  # the reference's o_hat = (o / (sqrt(v) + eps)) * (||o|| / ||o_hat||)
-            den = tl.load(den_ptr + batch * s_db + slot64 * s_dk, mask=selected, other=1.0)
-            u = tl.div_rn(u, den[:, None]) * tl.load(scale_ptr + batch)  # IEEE division, as torch
+            den = tl.load(den_ptr + n * s_db + slot64 * s_dk, mask=selected, other=1.0)
+            u = tl.div_rn(u, den[:, None]) * tl.load(scale_ptr + n)  # IEEE division, as torch
         if HAS_VOID:  # a matrix whose result was not finite gets a zero update (as if O were 0)
-            void_rows = tl.zeros([BLOCK_R], dtype=tl.int32) + tl.load(void_ptr + batch).to(tl.int32)
-            u = tl.where((void_rows != 0)[:, None], 0.0, u)
+            u = tl.where(_per_row(tl.load(void_ptr + n), BLOCK_R)[:, None], 0.0, u)
         new = tl.where(selected[:, None], new - lr * u, new)
         if DECAY_M:  # error feedback: only the selected momentum rows decay
-            m_ptrs = m_ptr + batch * s_mb + rows[:, None].to(tl.int64) * s_mr + cols64 * s_mc
+            m_off, m_sr, m_sc, _ = _view(m_tab, n, M_LAYOUT, M_ALIGN)
+            m_ptrs = m_ptr + m_off + rows64 * m_sr + cols64 * m_sc
             m = tl.load(m_ptrs, mask=sel_mask, other=0.0).to(tl.float32)
             tl.store(m_ptrs, round_to(m * mu, m_ptr.dtype.element_ty, INTERPRET), mask=sel_mask)
+        if HAS_V:  # NorMuon's new second moment of the selected rows, by the first column block
+            v_sel = selected & _per_row(tl.program_id(2) == 0, BLOCK_R)
+            v_off, v_sr, _, _ = _view(v_tab, n, 1, 1)  # (B, R, 1) views: the column is 0
+            v = tl.load(v_new_ptr + n * s_nb + slot64 * s_nk, mask=v_sel, other=0.0)
+            tl.store(v_ptr + v_off + rows.to(tl.int64) * v_sr, v.to(v_ptr.dtype.element_ty), mask=v_sel)
     tl.store(w_ptrs, round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
@@ -327,6 +557,112 @@ def row_slots(rows: torch.Tensor, num_rows: int, keep: torch.Tensor | None = Non
     return slot
 
 
+@dataclass(frozen=True)
+class RowState:
+    """A per-row state written by ``update_rows_group``: the members' (B_i, R) views and the
+    new values (N, k) float32 of the selected rows (by slot)."""
+
+    views: Sequence[torch.Tensor]
+    new: torch.Tensor
+
+
+def update_rows_group(
+    weights: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor] | None,
+    update: torch.Tensor,
+    slot: torch.Tensor | None,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+    mu: float,
+    lr_scales: Sequence[float] | None = None,
+    row_denominator: torch.Tensor | None = None,
+    matrix_scale: torch.Tensor | None = None,
+    ok: torch.Tensor | None = None,
+    void: torch.Tensor | None = None,
+    row_state: RowState | None = None,
+    active: Sequence[bool] | None = None,
+    cache: TableCache = TABLES,
+) -> None:
+    """In place on the weight and momentum views (B_i, R, C) (N = sum B_i, in order): every
+    weight row times ``decay``; the selected rows (``slot`` (N, R) from ``row_slots``; None:
+    every row, update row r for weight row r) minus ``lr * lr_scales[i] * U``, one rounding;
+    their momentum rows times ``mu`` (skipped when momenta is None); their ``row_state`` rows
+    set to its new values. U = update (N, k, C+) in float32, or with ``row_denominator``
+    (N, k) and ``matrix_scale`` (N,) the NorMuon form (update / denominator) * scale. ``lr``,
+    ``decay`` and ``ok`` (nonzero: apply) are 0-dim device tensors, read live under graph
+    replay. ``void`` (N,) bool: matrices whose U counts as zero (decay and error feedback still
+    run). Views whose ``active`` entry is False are left as they are. One launch."""
+    N, (R, C) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
+    if momenta is not None and [m.shape for m in momenta] != [w.shape for w in weights]:
+        raise ValueError("update_rows: momentum and weight views differ in shape")
+    k = R if slot is None else update.shape[1]
+    if update.shape[0] != N or update.shape[1] < (R if slot is None else 0) or update.shape[2] < C:
+        raise ValueError(f"update_rows: update {tuple(update.shape)} does not cover {N} x {R} x {C}")
+    if slot is not None and slot.shape != (N, R):
+        raise ValueError(f"update_rows: slot must be ({N}, {R}), got {tuple(slot.shape)}")
+    normuon = row_denominator is not None
+    if normuon and (matrix_scale is None or row_denominator.shape[:2] != (N, k) or matrix_scale.shape != (N,)):
+        raise ValueError("update_rows: NorMuon needs row_denominator (N, k) and matrix_scale (N,)")
+    if void is not None and void.shape != (N,):
+        raise ValueError(f"update_rows: void must be ({N},), got {tuple(void.shape)}")
+    if row_state is not None and row_state.new.shape[:2] != (N, k):
+        raise ValueError(f"update_rows: row state values must be ({N}, {k}), got {tuple(row_state.new.shape)}")
+    if N == 0 or R == 0 or C == 0:
+        return
+    wo = operand(weights, active, cache)
+    mo = operand(momenta, active, cache) if momenta is not None else wo
+    vo = operand([v.unsqueeze(-1) for v in row_state.views], active, cache) if row_state is not None else wo
+    v_new = row_state.new if row_state is not None else update
+    scales = None
+    if lr_scales is not None:
+        scales = _scales([s for w, s in zip(weights, lr_scales) for _ in range(w.shape[0])], lr.device, cache)
+    void = _flag(void.contiguous()) if void is not None else None
+    block_r, block_c, warps = _tiles("update", wo.layout, mo.layout)
+    block_c = min(block_c, triton.next_power_of_2(C))
+    grid = (N, triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    _update_rows_kernel[grid](
+        wo.base,
+        wo.table,
+        mo.base,
+        mo.table,
+        vo.base,
+        vo.table,
+        update,
+        slot if slot is not None else lr,
+        v_new,
+        lr,
+        scales if scales is not None else lr,
+        decay,
+        row_denominator if normuon else lr,
+        matrix_scale if normuon else lr,
+        _flag(ok) if ok is not None else lr,
+        void if void is not None else lr,
+        float(mu),
+        R,
+        C,
+        *update.stride(),
+        *(slot.stride() if slot is not None else (0, 0)),
+        *(row_denominator.stride()[:2] if normuon else (0, 0)),
+        *(v_new.stride()[:2] if row_state is not None else (0, 0)),
+        W_LAYOUT=wo.layout,
+        W_ALIGN=wo.align,
+        M_LAYOUT=mo.layout,
+        M_ALIGN=mo.align,
+        EVERY=slot is None,
+        NORMUON=normuon,
+        HAS_OK=ok is not None,
+        HAS_VOID=void is not None,
+        DECAY_M=momenta is not None,
+        HAS_LR_SCALE=scales is not None,
+        HAS_V=row_state is not None,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        INTERPRET=interpreting(),
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+
+
 def update_rows(
     weight: torch.Tensor,
     momentum: torch.Tensor | None,
@@ -340,64 +676,17 @@ def update_rows(
     ok: torch.Tensor | None = None,
     void: torch.Tensor | None = None,
 ) -> None:
-    """In place on weight and momentum (B, R, C) views: every weight row times ``decay``; the
-    selected rows (``slot`` from ``row_slots``; None: every row, update row r for weight row r)
-    minus ``lr * U``, one rounding; their momentum rows times ``mu`` (skipped when momentum is
-    None). U = update (B, k, C+) in float32, or with ``row_denominator`` (B, k) and
-    ``matrix_scale`` (B,) the NorMuon form (update / denominator) * scale. ``lr``, ``decay``
-    and ``ok`` (nonzero: apply) are 0-dim device tensors, read live under graph replay.
-    ``void`` (B,) bool: matrices whose U counts as zero (decay and error feedback still run)."""
-    B, R, C = weight.shape
-    if momentum is not None and momentum.shape != weight.shape:
-        raise ValueError(f"update_rows: momentum {tuple(momentum.shape)} != weight {tuple(weight.shape)}")
-    k = R if slot is None else update.shape[1]
-    if update.shape[0] != B or update.shape[1] < (R if slot is None else 0) or update.shape[2] < C:
-        raise ValueError(f"update_rows: update {tuple(update.shape)} does not cover weight {tuple(weight.shape)}")
-    if slot is not None and slot.shape != (B, R):
-        raise ValueError(f"update_rows: slot must be ({B}, {R}), got {tuple(slot.shape)}")
-    normuon = row_denominator is not None
-    if normuon and (matrix_scale is None or row_denominator.shape[:2] != (B, k) or matrix_scale.shape != (B,)):
-        raise ValueError("update_rows: NorMuon needs row_denominator (B, k) and matrix_scale (B,)")
-    if B == 0 or R == 0 or C == 0:
-        return
-    if ok is not None and ok.dtype == torch.bool:
-        ok = ok.view(torch.uint8)  # same byte, a dtype every Triton loads
-    if void is not None:
-        if void.shape != (B,):
-            raise ValueError(f"update_rows: void must be ({B},), got {tuple(void.shape)}")
-        void = void.contiguous().view(torch.uint8) if void.dtype == torch.bool else void.contiguous()
-    views = [weight] if momentum is None else [weight, momentum]
-    block_r, block_c, warps = _tiles("update", *views)
-    block_c = min(block_c, triton.next_power_of_2(C))
-    m_arg, m_strides = (momentum, momentum.stride()) if momentum is not None else (weight, (0, 0, 0))
-    grid = (B, triton.cdiv(R, block_r), triton.cdiv(C, block_c))
-    _update_rows_kernel[grid](
-        weight,
-        m_arg,
+    """``update_rows_group`` of one (B, R, C) weight view (and its momentum view)."""
+    update_rows_group(
+        [weight],
+        None if momentum is None else [momentum],
         update,
-        slot if slot is not None else lr,
+        slot,
         lr,
         decay,
-        row_denominator if normuon else lr,
-        matrix_scale if normuon else lr,
-        ok if ok is not None else lr,
-        void if void is not None else lr,
-        float(mu),
-        R,
-        C,
-        *weight.stride(),
-        *m_strides,
-        *update.stride(),
-        *(slot.stride() if slot is not None else (0, 0)),
-        *(row_denominator.stride() if normuon else (0, 0)),
-        EVERY=slot is None,
-        NORMUON=normuon,
-        HAS_OK=ok is not None,
-        HAS_VOID=void is not None,
-        DECAY_M=momentum is not None,
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        INTERPRET=interpreting(),
-        num_warps=warps,
-        enable_fp_fusion=False,
+        mu,
+        row_denominator=row_denominator,
+        matrix_scale=matrix_scale,
+        ok=ok,
+        void=void,
     )

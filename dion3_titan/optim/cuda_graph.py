@@ -151,11 +151,14 @@ class GraphedOptimizer:
         self._grad_objects = grads
 
     def release(self) -> None:
-        """Free the graph (before the process group it captured collectives on goes away)."""
+        """Free the graph (before the process group it captured collectives on goes away). The
+        next capture follows one eager step: it builds what new state tensors need (the row
+        engine's kernel tables), which a capture cannot."""
         if self._graph is not None:
             torch.cuda.synchronize()
             self._graph = None
             self._grads, self._grad_objects, self._params = [], [], []
+            self._eager_steps = min(self._eager_steps, self.warmup_steps - 1)
 
     def state_dict(self):
         return self.optimizer.state_dict()

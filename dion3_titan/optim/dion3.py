@@ -41,6 +41,7 @@ class _GroupWork:
     sg: ShapeGroup
     cfg: Dion3Config
     views: list[torch.Tensor]
+    rows: torch.Tensor  # (N, selected) row indices into each member's view
     rows_per: tuple[torch.Tensor, ...]
     valid: torch.Tensor | None
     owned_v: torch.Tensor | None
@@ -157,6 +158,7 @@ class Dion3(torch.optim.Optimizer):
         self.update_sumsq: dict[str, torch.Tensor] = {}
         self.update_numel: dict[str, int] = {}
         self._device_consts: dict[tuple, torch.Tensor] = {}  # made once, read by captured steps
+        self._tables = engine.TableCache()  # the row engine's per-group kernel tables
 
     def _init_state(self) -> None:
         """Every state tensor exists from construction on, identically on every rank (DCP)."""
@@ -306,24 +308,20 @@ class Dion3(torch.optim.Optimizer):
         the row engine serves also get their rows' l1 norms and sums of squares (N, R) from
         the same pass, returned by id(group)."""
         scores: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        fused: dict[int, list] = {}
-        for sg in groups:
-            if not self._fused(sg):
-                continue
+        fused = [sg for sg in groups if self._fused(sg)]
+        for sg in fused:
             l1 = torch.empty(sg.batch, sg.local_rows, dtype=torch.float32, device=to_local(sg.members[0].param).device)
-            sq = torch.empty_like(l1)
-            scores[id(sg)] = (l1, sq)
-            for m in sg.members:
-                sl = slice(m.offset, m.offset + m.layout.batch)
-                fused.setdefault(id(m.param), []).append((m, l1[sl], sq[sl]))
+            scores[id(sg)] = (l1, torch.empty_like(l1))
         if fused:
             engine.accumulate(
-                fused,
+                [(sg.members, *scores[id(sg)]) for sg in fused],
                 lambda p: to_local(self.state[p]["momentum"]),
                 lambda p: None if p.grad is None else to_local(p.grad),
                 self.nonfinite,
+                self._tables,
             )
-        self._add_gradients([m for sg in groups for m in sg.members], done=set(fused))
+        done = {id(m.param) for sg in fused for m in sg.members}
+        self._add_gradients([m for sg in groups for m in sg.members], done=done)
         return scores
 
     def _add_gradients(self, members: list[Member], done: set[int] = frozenset()) -> None:
@@ -361,8 +359,11 @@ class Dion3(torch.optim.Optimizer):
         send_v = None
         flavor = FLAVORS[cfg.flavor]
         if flavor.row_data:  # the flavor's per-row state travels with the rows
-            vs = torch.cat([flavor.rows_state(self.state[m.param], m) for m in members]).gather(1, rows)
-            send_v = torch.nn.functional.pad(vs, (0, k - sel))
+            states = [flavor.rows_state(self.state[m.param], m) for m in members]
+            if scores is not None:
+                send_v = engine.gather_row_state(states, rows, k, self._tables)
+            else:
+                send_v = torch.nn.functional.pad(torch.cat(states).gather(1, rows), (0, k - sel))
         ns = self._ns[sg.group_index]
         whole = every_row and not sg.exchange.moves_data and cols == sg.local_cols and k == sel
         # orient by the real (unpadded) selected shape, see orthogonalize()
@@ -371,9 +372,7 @@ class Dion3(torch.optim.Optimizer):
         if scores is not None:
             backend = select_backend(cfg.backend, (sg.batch, k, cols), cfg.compute_dtype, views[0].device)
             side = k if tall else backend.gram_side(k)
-            owned, owned_v, normalized = self._pack_fused(
-                sg, views, rows_per, valid, scores[1], send_v, every_row, side
-            )
+            owned, owned_v, normalized = self._pack_fused(sg, views, rows, valid, scores[1], send_v, every_row, side)
         elif whole and all(m.param.grad is not None for m in members):
             # The whole momentum stays here: normalize it straight into the NS batch (one
             # pass over each matrix instead of a float32 copy, its norm, a division and a cast).
@@ -393,22 +392,23 @@ class Dion3(torch.optim.Optimizer):
         ortho = orthogonalize(owned, ns, backend, tall, normalized)
         if ortho.shape[1] > k and not sg.exchange.moves_data:  # rows packed at the backend's Gram side
             ortho = ortho[:, :k]
-        return _GroupWork(sg, cfg, views, rows_per, valid, owned_v, ortho, backend, every_row, scores is not None)
+        fused = scores is not None
+        return _GroupWork(sg, cfg, views, rows, rows_per, valid, owned_v, ortho, backend, every_row, fused)
 
-    def _pack_fused(self, sg, views, rows_per, valid, sq, send_v, every_row, side):
+    def _pack_fused(self, sg, views, rows, valid, sq, send_v, every_row, side):
         """The row engine's 2-3: selected rows straight into the NS batch of ``side`` rows (zero
         rows past k), normalized and cast (nothing moves), or into the zero-padded send buffer
         (the owner normalizes)."""
         ns = self._ns[sg.group_index]
-        rows = None if every_row else list(rows_per)
-        valids = None if valid is None else list(valid.split([m.layout.batch for m in sg.members]))
+        rows = None if every_row else rows
         active = [m.param.grad is not None for m in sg.members]
         if not sg.exchange.moves_data and sg.cols == sg.local_cols and sg.k == sg.selected:
             transposed = every_row and is_transposed_batch(views)
             shape = (sg.batch, side, sg.cols)
-            owned = engine.pack(views, rows, valids, active, shape, ns.dtype, sq, ns.eps, transposed)
+            owned = engine.pack(views, rows, valid, active, shape, ns.dtype, sq, ns.eps, transposed, self._tables)
             return owned, send_v, True
-        send = engine.pack(views, rows, valids, active, (sg.batch, sg.k, sg.cols), views[0].dtype)
+        shape = (sg.batch, sg.k, sg.cols)
+        send = engine.pack(views, rows, valid, active, shape, views[0].dtype, tables=self._tables)
         owned, owned_v = sg.exchange.gather(send, send_v)
         return owned, owned_v, False
 
@@ -426,7 +426,6 @@ class Dion3(torch.optim.Optimizer):
         """5-6: the flavor's normalization on the owner, scatter back, then the fused update with
         error feedback."""
         sg, cfg, members = w.sg, w.cfg, w.sg.members
-        group = self.param_groups[sg.group_index]
         flavor = FLAVORS[cfg.flavor]
         ortho, owned_v = w.ortho, w.owned_v
         cols = members[0].layout.global_cols
@@ -436,54 +435,86 @@ class Dion3(torch.optim.Optimizer):
             den = scale = None
             ortho, owned_v = flavor.normalize(ortho, owned_v, cfg, cols)
         result, result_v = sg.exchange.scatter(ortho, owned_v)
-        sel = sg.selected
-        result = result[:, :sel, : sg.local_cols]
+        result = result[:, : sg.selected, : sg.local_cols]
 
         lr, decay, mu = self._step_factors(sg.group_index)
+        if w.fused:
+            self._update_fused(w, result, result_v, den, scale, lr, decay)
+        else:
+            self._update_members(w, result, result_v, lr, decay, mu)
+        if self._last_selected is not None or self.measure_updates:
+            self._observe(w, result, den, scale, lr)
+
+    def _update_fused(self, w, result, result_v, den, scale, lr, decay) -> None:
+        """6 on the row engine: the whole group's update, error feedback, NorMuon epilogue and
+        new per-row state in one launch (``ok``: a step with a non-finite gradient leaves
+        weights, momentum and state as they are)."""
+        sg, members = w.sg, w.sg.members
+        flavor = FLAVORS[w.cfg.flavor]
+        slot = None if w.every_row else engine.slots(w.rows, w.valid, sg.local_rows)
+        row_state = None
+        if flavor.row_data:
+            states = [flavor.rows_state(self.state[m.param], m) for m in members]
+            row_state = engine.RowState(states, result_v[:, : sg.selected].float())
+        engine.update(
+            [m.view(to_local(m.param)) for m in members],
+            w.views,
+            result,
+            slot,
+            lr,
+            decay,
+            self.param_groups[sg.group_index]["momentum"],
+            [m.lr_scale for m in members],
+            None if den is None else den[:, : sg.selected],
+            scale,
+            ok=self.nonfinite.ok,
+            void=w.void,
+            row_state=row_state,
+            active=[m.param.grad is not None for m in members],
+            tables=self._tables,
+        )
+
+    def _update_members(self, w, result, result_v, lr, decay, mu) -> None:
+        """6 on the reference path: each member's update with error feedback, then its
+        per-row state written back."""
+        members = w.sg.members
+        flavor = FLAVORS[w.cfg.flavor]
         valid_per = w.valid.split([m.layout.batch for m in members]) if w.valid is not None else None
-        slot = None  # the engine's row -> update-row map, one for the whole group
-        if w.fused and not w.every_row:
-            slot = engine.slots(torch.cat(w.rows_per), w.valid, sg.local_rows)
         for i, m in enumerate(members):
             if m.param.grad is None:
                 continue
             sl = slice(m.offset, m.offset + m.layout.batch)
-            weight = m.view(to_local(m.param))
             ok = valid_per[i] if valid_per is not None else None
-            if w.fused:
-                # ok: a step with a non-finite gradient leaves weights and momentum as they are
-                engine.update(
-                    weight,
-                    w.views[i],
-                    result[sl],
-                    None if slot is None else slot[sl],
-                    lr * m.lr_scale,
-                    decay,
-                    group["momentum"],
-                    None if den is None else den[sl, :sel],
-                    None if scale is None else scale[sl],
-                    ok=self.nonfinite.ok,
-                    void=None if w.void is None else w.void[sl],
-                )
-            else:
-                apply_update(
-                    weight,
-                    w.views[i],
-                    result[sl],
-                    w.rows_per[i],
-                    ok,
-                    lr * m.lr_scale,
-                    decay,
-                    mu,
-                    w.backend,
-                    every_row=w.every_row,
-                )
+            apply_update(
+                m.view(to_local(m.param)),
+                w.views[i],
+                result[sl],
+                w.rows_per[i],
+                ok,
+                lr * m.lr_scale,
+                decay,
+                mu,
+                w.backend,
+                every_row=w.every_row,
+            )
             if flavor.row_data:
                 v_state = flavor.rows_state(self.state[m.param], m)
-                v_new, v_old = result_v[sl, :sel].float(), v_state.gather(1, w.rows_per[i])
+                v_new, v_old = result_v[sl, : w.sg.selected].float(), v_state.gather(1, w.rows_per[i])
                 if ok is not None:
                     v_new = torch.where(ok, v_new, v_old)
                 v_state.scatter_(1, w.rows_per[i], self.nonfinite.keep(v_new, v_old))
+
+    def _observe(self, w, result, den, scale, lr) -> None:
+        """Selection stamps and update sums of squares of each member that got an update (only
+        when metrics ask for them)."""
+        members = w.sg.members
+        valid_per = w.valid.split([m.layout.batch for m in members]) if w.valid is not None else None
+        sel = w.sg.selected
+        for i, m in enumerate(members):
+            if m.param.grad is None:
+                continue
+            sl = slice(m.offset, m.offset + m.layout.batch)
+            ok = valid_per[i] if valid_per is not None else None
             if self._last_selected is not None:
                 stamp, old = self._step_t.expand_as(w.rows_per[i]), self._last_selected[id(m)].gather(1, w.rows_per[i])
                 if ok is not None:

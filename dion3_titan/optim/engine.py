@@ -6,15 +6,23 @@ the send buffer), and update + error feedback + NorMuon epilogue. The torch path
 and update.py stays the reference; this module computes the same quantities (bit-identical
 float32 state where the reference rounds once; norms summed in another order) and is tested
 against it.
+
+Each stage is one kernel launch per shape group, whatever the number of its members (layers):
+the members' views reach the kernels through device tables kept in a ``TableCache`` (built by
+the first step, reused by every later one and by a captured CUDA graph).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from dion3_titan.dist.layout import to_local
+from dion3_titan.dist.plan import Member
 from dion3_titan.kernels import row_engine as rk
 from dion3_titan.kernels.backend import interpreting
+from dion3_titan.kernels.row_engine import TABLES, RowState, TableCache
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,41 +35,55 @@ def runs_on(backend: str, param: torch.Tensor) -> bool:
     return backend != "torch" and (local.is_cuda or interpreting()) and local.dtype in _DTYPES
 
 
-def accumulate(members_of: dict[int, list], momentum, grad_of, guard: NonfiniteGuard) -> None:
-    """M += G once per parameter and every member's row scores, in one pass where the members'
-    views tile the parameter (the usual case); otherwise one add, then a scoring pass. On a
-    step whose gradients ``guard`` found not finite, M keeps its bits.
+def accumulate(
+    groups: Sequence[tuple[Sequence[Member], torch.Tensor, torch.Tensor]],
+    momentum: Callable[[torch.Tensor], torch.Tensor],
+    grad_of: Callable[[torch.Tensor], torch.Tensor | None],
+    guard: NonfiniteGuard,
+    tables: TableCache = TABLES,
+) -> None:
+    """M += G once per parameter and every member's row scores, one launch per shape group.
+    On a step whose gradients ``guard`` found not finite, M keeps its bits.
 
-    ``members_of``: id(param) -> [(member, l1 slice, sq slice)]; ``momentum(param)`` and
-    ``grad_of(param)`` give local tensors (grad None: score only). Writes the slices."""
-    for entries in members_of.values():
-        param = entries[0][0].param
-        mom, grad = momentum(param), grad_of(param)
-        views = [m.view(mom) for m, _, _ in entries]
-        tiles = sum(v.numel() for v in views) == mom.numel()
-        if grad is not None and not tiles:
-            guard.accumulate([mom], [grad])
-        for (m, l1, sq), view in zip(entries, views):
-            g = m.view(grad) if grad is not None and tiles else None
-            rk.accumulate_scores(view, g, l1, sq, ok=guard.ok)
+    ``groups``: (members, l1 (N, R), sq (N, R)) per shape group, written by the launch;
+    ``momentum(param)`` and ``grad_of(param)`` give local tensors (grad None: score only). A
+    parameter whose members' views do not tile it gets its gradient in one add first, then
+    its views are only scored."""
+    views = [[m.view(momentum(m.param)) for m in members] for members, _, _ in groups]
+    covered: dict[int, int] = {}
+    for (members, _, _), vs in zip(groups, views):
+        for m, v in zip(members, vs):
+            covered[id(m.param)] = covered.get(id(m.param), 0) + v.numel()
+    added: set[int] = set()  # parameters whose gradient was added before scoring
+    for members, _, _ in groups:
+        for m in members:
+            mom, grad = momentum(m.param), grad_of(m.param)
+            if grad is not None and covered[id(m.param)] != mom.numel() and id(m.param) not in added:
+                guard.accumulate([mom], [grad])
+                added.add(id(m.param))
+    for (members, l1, sq), vs in zip(groups, views):
+        grads = [None if id(m.param) in added else grad_of(m.param) for m in members]
+        grads = [None if g is None else m.view(g) for m, g in zip(members, grads)]
+        rk.accumulate_scores_group(vs, grads, l1, sq, ok=guard.ok, cache=tables)
 
 
 def pack(
-    views: list[torch.Tensor],
-    rows: list[torch.Tensor] | None,
-    valid: list[torch.Tensor] | None,
-    active: list[bool],
+    views: Sequence[torch.Tensor],
+    rows: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    active: Sequence[bool],
     shape: tuple[int, int, int],
     dtype: torch.dtype,
     sq: torch.Tensor | None = None,
     eps: float = 0.0,
     transposed: bool = False,
+    tables: TableCache = TABLES,
 ) -> torch.Tensor:
-    """The group's (N, K, C) batch in ``dtype``: each member's selected rows (``rows`` per
-    member, None: all rows in order), zero-padded; rows with ``valid`` False and inactive
-    members (no gradient) are zero. With ``sq`` (N, R) row sums of squares each matrix is
-    divided by its Frobenius norm + eps (the NS input, ``orthogonalize``'s normalization).
-    ``transposed``: the batch is laid out column-major (for transposed views)."""
+    """The group's (N, K, C) batch in ``dtype``, in one launch: each member's selected rows
+    (``rows`` (N, n), None: all rows in order), zero-padded; rows with ``valid`` (N, n) False
+    and inactive members (no gradient) are zero. With ``sq`` (N, R) row sums of squares each
+    matrix is divided by its Frobenius norm + eps (the NS input, ``orthogonalize``'s
+    normalization). ``transposed``: the batch is laid out column-major (for transposed views)."""
     n, kk, c = shape
     device = views[0].device
     out = (
@@ -74,25 +96,23 @@ def pack(
         if rows is None:
             ss = sq.sum(dim=1)
         else:
-            picked = sq.gather(1, torch.cat(rows))
+            picked = sq.gather(1, rows)
             if valid is not None:
-                picked = picked * torch.cat(valid)
+                picked = picked * valid
             ss = picked.sum(dim=1)
         den = ss.sqrt() + eps
-    start = 0
-    for i, view in enumerate(views):
-        b = view.shape[0]
-        sl = slice(start, start + b)
-        rk.gather_rows(
-            view,
-            None if rows is None else rows[i],
-            out[sl],
-            keep=None if valid is None else valid[i],
-            denominator=None if den is None else den[sl],
-            active=active[i],
-        )
-        start += b
+    rk.gather_rows_group(views, rows, out, keep=valid, denominator=den, active=active, cache=tables)
     return out
+
+
+def gather_row_state(
+    views: Sequence[torch.Tensor], rows: torch.Tensor, k: int, tables: TableCache = TABLES
+) -> torch.Tensor:
+    """(N, k) float32: the selected rows ``rows`` (N, n) of the members' per-row state views
+    (B_i, R), zero past n, in one launch (the reference's gather and pad)."""
+    out = torch.empty(rows.shape[0], k, 1, dtype=torch.float32, device=rows.device)
+    rk.gather_rows_group([v.unsqueeze(-1) for v in views], rows, out, cache=tables)
+    return out.squeeze(-1)
 
 
 def row_sumsq(x: torch.Tensor) -> torch.Tensor:
@@ -128,18 +148,39 @@ def slots(rows: torch.Tensor, valid: torch.Tensor | None, num_rows: int) -> torc
 
 
 def update(
-    weight: torch.Tensor,
-    momentum: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
     result: torch.Tensor,
     slot: torch.Tensor | None,
     lr: torch.Tensor,
     decay: torch.Tensor,
     mu: float,
+    lr_scales: Sequence[float],
     den: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     ok: torch.Tensor | None = None,
     void: torch.Tensor | None = None,
+    row_state: RowState | None = None,
+    active: Sequence[bool] | None = None,
+    tables: TableCache = TABLES,
 ) -> None:
-    """update.apply_update (+ the flavor's epilogue when ``den``/``scale`` are given) in one
-    pass; ``slot`` from ``slots`` (None: every row, in order, f = 1)."""
-    rk.update_rows(weight, momentum, result, slot, lr, decay, mu, den, scale, ok, void)
+    """update.apply_update of a whole shape group (+ the flavor's epilogue when ``den``/
+    ``scale`` are given, + its new per-row state) in one pass; ``slot`` from ``slots`` (None:
+    every row, in order, f = 1); member i's learning rate is ``lr * lr_scales[i]``."""
+    rk.update_rows_group(
+        weights,
+        momenta,
+        result,
+        slot,
+        lr,
+        decay,
+        mu,
+        lr_scales,
+        den,
+        scale,
+        ok,
+        void,
+        row_state,
+        active,
+        tables,
+    )

@@ -24,8 +24,10 @@ def results() -> list[dict]:
 from tests.test_row_engine_interpret import (  # noqa: E402  (the same assertions)
     test_accumulate_adds_bitwise_and_scores_rows,
     test_gather_matches_take_rows_pad_divide_cast_bitwise,
+    test_grouped_launches_match_the_torch_path_bitwise,
     test_normuon_factors_match_normuon_normalize,
     test_pack_normalizes_by_the_selected_rows_norm,
+    test_step_launches_do_not_grow_with_layers,
     test_step_with_engine_matches_reference_path,
     test_update_matches_reference_bitwise,
 )
@@ -33,8 +35,10 @@ from tests.test_row_engine_interpret import (  # noqa: E402  (the same assertion
 __all__ = [
     "test_accumulate_adds_bitwise_and_scores_rows",
     "test_gather_matches_take_rows_pad_divide_cast_bitwise",
+    "test_grouped_launches_match_the_torch_path_bitwise",
     "test_normuon_factors_match_normuon_normalize",
     "test_pack_normalizes_by_the_selected_rows_norm",
+    "test_step_launches_do_not_grow_with_layers",
     "test_step_with_engine_matches_reference_path",
     "test_update_matches_reference_bitwise",
 ]
@@ -70,3 +74,39 @@ def test_large_step_engine_matches_torch_path(flavor, fraction):
         finals.append([p.detach() - p0 for p, p0 in zip(params, start)] + [opt.state[p]["momentum"] for p in params])
     for a, b in zip(*finals):  # updates and momentum: rounding of the NS input apart, the same
         assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("flavor", ["muon", "normuon"])
+def test_captured_step_reuses_the_eager_steps_tables(flavor):
+    """The row engine's tables are built by the eager warm-up step: capture and replays build
+    none and give the eager run's bits; a state reload (new momentum and NorMuon state
+    tensors) re-captures after one eager step, which builds the new tables."""
+    from dion3_titan import Dion3
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+
+    shapes = [(256, 512), (512, 256), (2, 128, 256)] * 3
+    finals, builds = [], []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+        opt = Dion3([{"params": params}], lr=0.02, fraction=0.25, flavor=flavor, weight_decay=0.1)
+        runner = GraphedOptimizer(opt, warmup_steps=1) if graphed else opt
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for step in range(8):
+            g = torch.Generator(device="cuda").manual_seed(step)
+            for p in params:
+                p.grad.copy_(torch.randn(p.shape, device="cuda", generator=g))
+            if step == 5:  # new state tensors: tables for them, built eagerly before a capture
+                runner.load_state_dict(runner.state_dict())
+            runner.step()
+            builds.append(opt._tables.builds)
+        torch.cuda.synchronize()
+        if graphed:
+            assert runner.graph is not None
+            assert builds[-8] == builds[-4], builds  # step 0 eager; 1 captured and 2-4 replayed
+            assert builds[-3] == builds[-1], builds  # 5 eager after the reload; 6 captured, 7 replayed
+            runner.release()
+        finals.append([p.detach().clone() for p in params])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
