@@ -102,7 +102,7 @@ class TableCache:
 def device_table(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A table on ``device``: from a pinned host tensor, copied asynchronously (the host
     allocator keeps the pinned block until the copy is done)."""
-    host = torch.tensor(values, dtype=dtype)
+    host = torch.tensor(values, dtype=dtype, device="cpu")
     if device.type != "cuda":
         return host.to(device)
     out = torch.empty(host.shape, dtype=dtype, device=device)
