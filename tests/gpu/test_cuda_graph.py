@@ -54,8 +54,9 @@ def _train(model, graphed: bool, fraction: float, flavor: str, steps: int, devic
             p.grad.copy_(g)
         runner.step()
         sched.step()
-        if graphed and runner._graph is not graph:  # this step captured a graph
-            captures, graph = captures + 1, runner._graph
+        # a new graph: this step captured one (a re-capture follows one eager step)
+        if graphed and runner.graph is not None and runner.graph is not graph:
+            captures, graph = captures + 1, runner.graph
     torch.cuda.synchronize()
     if graphed:
         runner.release()
