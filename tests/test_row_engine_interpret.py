@@ -378,7 +378,7 @@ def count_launches():
 def _launch_checks() -> list[dict]:
     """The Triton launches of a steady-state step (the second; gradients written in place, as
     under a captured step) do not grow with the number of layers, and that step builds no
-    kernel table: both flavors, f = 1/4 and 1."""
+    kernel table: Muon at f = 1 and NorMuon (row state) at f = 1/4."""
     import torch
 
     from dion3_titan import Dion3
@@ -388,32 +388,31 @@ def _launch_checks() -> list[dict]:
     runs_on = engine.runs_on
     engine.runs_on = lambda backend, p: True  # NS on torch (fast here); the row engine on
     try:
-        for flavor in ("muon", "normuon"):
-            for fraction in (0.25, 1.0):
-                launches, builds = {}, {}
-                for layers in (1, 3):
-                    torch.manual_seed(0)
-                    shapes = [(12, 20), (20, 12), (2, 8, 6)] * layers
-                    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-                    opt = Dion3([{"params": params}], lr=0.02, fraction=fraction, flavor=flavor, backend="torch")
+        for flavor, fraction in (("muon", 1.0), ("normuon", 0.25)):
+            launches, builds = {}, {}
+            for layers in (1, 3):
+                torch.manual_seed(0)
+                shapes = [(12, 20), (20, 12), (2, 8, 6)] * layers
+                params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+                opt = Dion3([{"params": params}], lr=0.02, fraction=fraction, flavor=flavor, backend="torch")
+                for p in params:
+                    p.grad = torch.empty_like(p)
+                for _ in range(2):
                     for p in params:
-                        p.grad = torch.empty_like(p)
-                    for _ in range(2):
-                        for p in params:
-                            p.grad.copy_(torch.randn_like(p))
-                        before = opt._tables.builds
-                        with count_launches() as counts:
-                            opt.step()
-                    launches[str(layers)], builds[str(layers)] = dict(counts), opt._tables.builds - before
-                out.append(
-                    {
-                        "check": "launches",
-                        "case": f"{flavor},f={fraction}",
-                        "launches": launches,
-                        "steady_builds": builds,
-                        "groups": len(opt.shape_groups),
-                    }
-                )
+                        p.grad.copy_(torch.randn_like(p))
+                    before = opt._tables.builds
+                    with count_launches() as counts:
+                        opt.step()
+                launches[str(layers)], builds[str(layers)] = dict(counts), opt._tables.builds - before
+            out.append(
+                {
+                    "check": "launches",
+                    "case": f"{flavor},f={fraction}",
+                    "launches": launches,
+                    "steady_builds": builds,
+                    "groups": len(opt.shape_groups),
+                }
+            )
     finally:
         engine.runs_on = runs_on
     return out
@@ -583,10 +582,33 @@ def test_grouped_launches_match_the_torch_path_bitwise(results) -> None:
 
 def test_step_launches_do_not_grow_with_layers(results) -> None:
     for r in _of(results, "launches"):
-        one, three = r["launches"]["1"], r["launches"]["3"]
+        one, three = r["launches"]["1"], r["launches"]["3"]  # (JSON keys)
         assert one == three, r  # whatever the number of layers
         assert one["_update_rows_kernel"] == r["groups"], r  # one launch per shape group
         assert set(r["steady_builds"].values()) == {0}, r  # a steady step builds no table
+
+
+def test_table_cache_builds_each_table_once() -> None:
+    """Operand tables: offsets from the first view in elements, per matrix of each stack; one
+    build per key (a single tensor's key is its shape and strides, not its address); the least
+    recently used entry goes beyond the capacity."""
+    import torch
+
+    from dion3_titan.kernels.row_engine import COLS_UNIT, TableCache, operand
+
+    cache = TableCache(capacity=2)
+    a, b = torch.zeros(2, 3, 4), torch.zeros(1, 3, 8)[..., :4]
+    op = operand([a, b], [True, True], cache)
+    delta = (b.data_ptr() - a.data_ptr()) // 4
+    assert op.base is a and op.layout == COLS_UNIT
+    assert op.table.tolist() == [[0, 4, 1, 1], [12, 4, 1, 1], [delta, 8, 1, 1]]
+    assert operand([a, b], [True, False], cache).table.tolist()[2] == [0, 0, 0, 0]  # absent: never read
+    assert operand([a, b], [True, True], cache).table is op.table and cache.builds == 2
+    operand([torch.ones(2, 3, 4)], cache=cache)
+    operand([torch.ones(2, 3, 4)], cache=cache)  # another tensor of the same shape: same table
+    assert cache.builds == 3
+    operand([a, b], [True, False], cache)  # the least recently used key: evicted, built again
+    assert cache.builds == 4
 
 
 def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:
