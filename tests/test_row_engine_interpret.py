@@ -400,10 +400,10 @@ def _launch_checks() -> list[dict]:
                 for _ in range(2):
                     for p in params:
                         p.grad.copy_(torch.randn_like(p))
-                    before = opt._tables.builds
+                    before = opt.kernel_tables.builds
                     with count_launches() as counts:
                         opt.step()
-                launches[str(layers)], builds[str(layers)] = dict(counts), opt._tables.builds - before
+                launches[str(layers)], builds[str(layers)] = dict(counts), opt.kernel_tables.builds - before
             out.append(
                 {
                     "check": "launches",

@@ -158,7 +158,7 @@ class Dion3(torch.optim.Optimizer):
         self.update_sumsq: dict[str, torch.Tensor] = {}
         self.update_numel: dict[str, int] = {}
         self._device_consts: dict[tuple, torch.Tensor] = {}  # made once, read by captured steps
-        self._tables = engine.TableCache()  # the row engine's per-group kernel tables
+        self.kernel_tables = engine.TableCache()  # the row engine's per-group kernel tables
 
     def _init_state(self) -> None:
         """Every state tensor exists from construction on, identically on every rank (DCP)."""
@@ -318,7 +318,7 @@ class Dion3(torch.optim.Optimizer):
                 lambda p: to_local(self.state[p]["momentum"]),
                 lambda p: None if p.grad is None else to_local(p.grad),
                 self.nonfinite,
-                self._tables,
+                self.kernel_tables,
             )
         done = {id(m.param) for sg in fused for m in sg.members}
         self._add_gradients([m for sg in groups for m in sg.members], done=done)
@@ -361,7 +361,7 @@ class Dion3(torch.optim.Optimizer):
         if flavor.row_data:  # the flavor's per-row state travels with the rows
             states = [flavor.rows_state(self.state[m.param], m) for m in members]
             if scores is not None:
-                send_v = engine.gather_row_state(states, rows, k, self._tables)
+                send_v = engine.gather_row_state(states, rows, k, self.kernel_tables)
             else:
                 send_v = torch.nn.functional.pad(torch.cat(states).gather(1, rows), (0, k - sel))
         ns = self._ns[sg.group_index]
@@ -405,10 +405,10 @@ class Dion3(torch.optim.Optimizer):
         if not sg.exchange.moves_data and sg.cols == sg.local_cols and sg.k == sg.selected:
             transposed = every_row and is_transposed_batch(views)
             shape = (sg.batch, side, sg.cols)
-            owned = engine.pack(views, rows, valid, active, shape, ns.dtype, sq, ns.eps, transposed, self._tables)
+            owned = engine.pack(views, rows, valid, active, shape, ns.dtype, sq, ns.eps, transposed, self.kernel_tables)
             return owned, send_v, True
         shape = (sg.batch, sg.k, sg.cols)
-        send = engine.pack(views, rows, valid, active, shape, views[0].dtype, tables=self._tables)
+        send = engine.pack(views, rows, valid, active, shape, views[0].dtype, tables=self.kernel_tables)
         owned, owned_v = sg.exchange.gather(send, send_v)
         return owned, owned_v, False
 
@@ -471,7 +471,7 @@ class Dion3(torch.optim.Optimizer):
             void=w.void,
             row_state=row_state,
             active=[m.param.grad is not None for m in members],
-            tables=self._tables,
+            tables=self.kernel_tables,
         )
 
     def _update_members(self, w, result, result_v, lr, decay, mu) -> None:

@@ -100,7 +100,7 @@ def test_captured_step_reuses_the_eager_steps_tables(flavor):
             if step == 5:  # new state tensors: tables for them, built eagerly before a capture
                 runner.load_state_dict(runner.state_dict())
             runner.step()
-            builds.append(opt._tables.builds)
+            builds.append(opt.kernel_tables.builds)
         torch.cuda.synchronize()
         if graphed:
             assert runner.graph is not None
