@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from dion3_titan.kernels.backend import interpreting
-from dion3_titan.kernels.triton_ops import round_to
+from dion3_titan.kernels.rounding import round_to
 
 # (BLOCK_R, BLOCK_C, num_warps) per kernel when every view's columns are contiguous (wide row
 # tiles), and for views that run along rows (transposed: square tiles keep loads coalesced).

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 
 from dion3_titan.kernels.backend import interpreting
+from dion3_titan.kernels.rounding import round_to
+from dion3_titan.kernels.row_engine import row_slots, update_rows
 from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
@@ -65,22 +67,6 @@ def _lower_tile(t, num_tiles_side, GROUP: tl.constexpr):
     j_tri = band_start + u - q * (q + 1) // 2
     in_rect = local < rect
     return tl.where(in_rect, i_rect, i_tri), tl.where(in_rect, j_rect, j_tri)
-
-
-@triton.jit
-def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """float32 -> dtype, round to nearest even.
-
-    Triton's CPU interpreter (3.9) rounds float32 -> bfloat16 wrongly (no carry into the
-    exponent), so there the rounding is done on the bits: add 0x7FFF plus the lowest kept bit,
-    drop the low 16 bits. Finite values only, which is all the interpreter tests feed it.
-    """
-    if INTERPRET and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -441,8 +427,6 @@ def fused_update(
 ) -> None:
     """See ``Backend.fused_update``: the row engine's update kernel without momentum (one
     kernel owns the update's arithmetic). No host sync: lr/decay are read on the device."""
-    from dion3_titan.kernels.row_engine import row_slots, update_rows  # it imports this module
-
     B, R, C = weight.shape
     k = rows.shape[1]
     if update.shape != (B, k, C):
