@@ -213,8 +213,7 @@ def test_injected_negative_gram_eigenvalue_needs_restart():
 def orthogonalize_checked(x, settings, backend):
     """orthogonalize, then the optimizer's non-finite check on its result (one batch)."""
     out = orthogonalize(x, settings, backend)
-    outs, bads = NonfiniteGuard("raise").orthogonalized([out])
-    return outs[0], bads[0]
+    return NonfiniteGuard("raise").orthogonalized(out)
 
 
 class CorruptFirstGram(TorchOps):

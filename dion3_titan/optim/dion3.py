@@ -417,10 +417,9 @@ class Dion3(torch.optim.Optimizer):
         updates in place, the update kernel voids those matrices itself (no pass over the
         batch)."""
         in_kernel = w.fused and not w.sg.exchange.moves_data
-        outs, bads = self.nonfinite.orthogonalized([w.ortho], void_in_kernel=[in_kernel])
-        w.ortho = outs[0]
+        w.ortho, bad = self.nonfinite.orthogonalized(w.ortho, void_in_kernel=in_kernel)
         if in_kernel:
-            w.void = bads[0]
+            w.void = bad
 
     def _update_group(self, w: "_GroupWork") -> None:
         """5-6: the flavor's normalization on the owner, scatter back, then the fused update with

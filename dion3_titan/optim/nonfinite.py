@@ -123,22 +123,16 @@ class NonfiniteGuard:
         """torch's fused-AdamW skip flag: 1.0 when not ``ok``."""
         return 1.0 - self.ok
 
-    def orthogonalized(
-        self, results: Sequence[torch.Tensor], void_in_kernel: Sequence[bool] = ()
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The Newton-Schulz results (B, n, m) with no non-finite matrix, and which matrices were not finite
-        (counted, on the device). A non-finite matrix becomes zero, so its update subtracts
-        nothing, except where ``void_in_kernel`` says the update kernel zeroes it itself (the
-        caller then passes it the returned flags): no pass over the batch."""
-        bads = [nonfinite_matrices(out) for out in results]
-        for bad in bads:
-            self._count_ns(bad)
-        voided = list(void_in_kernel) + [False] * (len(results) - len(void_in_kernel))
-        outs = [
-            out if in_kernel else torch.where(bad[:, None, None], torch.zeros_like(out), out)
-            for out, bad, in_kernel in zip(results, bads, voided)
-        ]
-        return outs, bads
+    def orthogonalized(self, result: torch.Tensor, void_in_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Newton-Schulz result (B, n, m) with no non-finite matrix, and which matrices were
+        not finite (B,) (counted, on the device). A non-finite matrix becomes zero, so its update
+        subtracts nothing, except with ``void_in_kernel``: the update kernel zeroes it itself
+        (the caller passes it the returned flags), so no pass over the batch."""
+        bad = nonfinite_matrices(result)
+        self._count_ns(bad)
+        if not void_in_kernel:
+            result = torch.where(bad[:, None, None], torch.zeros_like(result), result)
+        return result, bad
 
     def _count_ns(self, bad: torch.Tensor) -> None:
         if bad.numel():
