@@ -4,7 +4,9 @@ steps get no host synchronization and no extra device work.
 Reported (names as logged):
 - optimizer/gpu_ms, optimizer/host_ms: device time (CUDA events around the step) and host time
   (perf_counter, before any sync) of the step;
-- optimizer/comm_MB, optimizer/collectives: bytes this rank received and collectives issued;
+- optimizer/comm_MB, optimizer/collectives: bytes this rank received from other ranks and
+  collectives issued; optimizer/comm_MB/shard and optimizer/comm_MB/replicate split the bytes by
+  link (within a replica, across HSDP replicas);
 - optimizer/update_rms/<class>: RMS of the update (lr-scaled) over the matrices of each class
   (attention, mlp, experts, other) and of the AdamW parameters;
 - optimizer/selection/covered: share of rows selected at least once in the last ``window`` steps;
@@ -63,15 +65,14 @@ class OptimizerMetrics:
         if cuda:
             end.record()
         d.measure_updates = False
-        calls, nbytes = d.comm_stats.calls, d.comm_stats.bytes
+        comm = d.comm_stats.copy()
         captured = getattr(opt, "captured_comm", None)
         if captured is not None and getattr(opt, "graph", None) is not None:
-            calls, nbytes = captured  # a replayed graph runs no Python: the captured step's
+            comm = captured  # a replayed graph runs no Python: the captured step's
         self._pending = {
             "events": (start, end) if cuda else None,
             "host_ms": host_ms,
-            "calls": calls,
-            "bytes": nbytes,
+            "comm": comm,
             "adamw": (adamw_before, self._adamw_params()),
             "cuda": cuda,
         }
@@ -91,8 +92,9 @@ class OptimizerMetrics:
         p, d = self._pending, self.dion3
         out = {
             "optimizer/host_ms": p["host_ms"],
-            "optimizer/comm_MB": p["bytes"] / 1e6,
-            "optimizer/collectives": float(p["calls"]),
+            "optimizer/comm_MB": p["comm"].bytes / 1e6,
+            **{f"optimizer/comm_MB/{link}": n / 1e6 for link, n in sorted(p["comm"].by_link.items())},
+            "optimizer/collectives": float(p["comm"].calls),
             "optimizer/ns_nonfinite": float(d.nonfinite_ns_events),
             "optimizer/skipped_steps": float(d.skipped_steps),
         }

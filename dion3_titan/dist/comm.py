@@ -10,7 +10,7 @@ padding only costs FLOPs. An optional trailing per-row scalar (NorMuon's second 
 along as one extra column.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,18 +21,49 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass
 class CommStats:
-    """Collectives issued by the optimizer: calls and bytes received by this rank."""
+    """Collectives issued by the optimizer: calls, and the bytes this rank receives from other
+    ranks (what crosses a link; a rank's own block does not), in total and per link: "shard"
+    for the ranks of one replica (FSDP, TP, EP dims), "replicate" across HSDP replicas. Each
+    collective counts its bytes by the formulas below, which the comm model of the benchmarks
+    (benchmarks/comm_model.py) reuses."""
 
     calls: int = 0
     bytes: int = 0
+    by_link: dict[str, int] = field(default_factory=dict)
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, link: str = "shard") -> None:
         self.calls += 1
         self.bytes += int(nbytes)
+        self.by_link[link] = self.by_link.get(link, 0) + int(nbytes)
 
     def reset(self) -> None:
         self.calls = 0
         self.bytes = 0
+        self.by_link = {}
+
+    def copy(self) -> "CommStats":
+        return CommStats(self.calls, self.bytes, dict(self.by_link))
+
+
+def all_to_all_bytes(recv_splits: list[int], rank: int, element_size: int) -> int:
+    """Bytes received from the other ranks by an ``all_to_all_single`` (splits in elements)."""
+    return (sum(recv_splits) - recv_splits[rank]) * element_size
+
+
+def all_gather_bytes(chunk_numel: int, size: int, element_size: int) -> int:
+    """Bytes received by an all-gather of ``chunk_numel`` elements per rank over ``size`` ranks."""
+    return (size - 1) * chunk_numel * element_size
+
+
+def reduce_scatter_bytes(chunk_numel: int, size: int, element_size: int) -> int:
+    """Bytes received by a ring reduce-scatter whose output is ``chunk_numel`` elements per rank."""
+    return (size - 1) * chunk_numel * element_size
+
+
+def all_reduce_bytes(numel: int, size: int, element_size: int) -> int:
+    """Bytes received by a ring all-reduce of ``numel`` elements (a reduce-scatter, then an
+    all-gather, of its 1/size chunks)."""
+    return 2 * (size - 1) * -(-numel // size) * element_size
 
 
 class Exchange:
@@ -86,6 +117,7 @@ class ShardedExchange(Exchange):
         stats: CommStats,
     ) -> None:
         self.group = group
+        self.rank = rank
         self.size = len(row_block)
         self.n_rb = max(row_block) + 1
         self.n_cb = max(col_block) + 1
@@ -114,7 +146,7 @@ class ShardedExchange(Exchange):
     def _all_to_all(self, send: torch.Tensor, out_numel: int, out_splits, in_splits) -> torch.Tensor:
         out = send.new_empty(out_numel)
         dist.all_to_all_single(out, send, out_splits, in_splits, group=self.group)
-        self.stats.add(out.numel() * out.element_size())
+        self.stats.add(all_to_all_bytes(out_splits, self.rank, out.element_size()))
         return out
 
     def gather(self, rows, extra):
@@ -182,7 +214,7 @@ class ReplicatedExchange(Exchange):
         packed = _append_extra(result, extra)
         out = packed.new_empty(self.size * packed.shape[0], *packed.shape[1:])
         _all_gather(out, packed.contiguous(), group=self.group)
-        self.stats.add(out.numel() * out.element_size())
+        self.stats.add(all_gather_bytes(packed.numel(), self.size, out.element_size()), link="replicate")
         out = out.index_select(0, self.back)
         if extra is None:
             return out, None
@@ -197,7 +229,7 @@ def full_row_scores(exchange: Exchange, local: torch.Tensor, stats: CommStats) -
         return local.unsqueeze(1)
     out = local.new_empty(exchange.size * local.shape[0], *local.shape[1:])
     _all_gather(out, local.contiguous(), group=exchange.group)
-    stats.add(out.numel() * out.element_size())
+    stats.add(all_gather_bytes(local.numel(), exchange.size, out.element_size()))
     out = out.view(exchange.size, *local.shape)
     grid = out.index_select(0, exchange.grid.to(out.device)).view(exchange.n_rb, exchange.n_cb, *local.shape)
     return grid.sum(dim=1).transpose(0, 1)

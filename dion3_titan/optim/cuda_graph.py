@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from dion3_titan.dist.comm import CommStats
 from dion3_titan.dist.layout import to_local
 
 _live: "weakref.WeakSet[GraphedOptimizer]" = weakref.WeakSet()
@@ -57,7 +58,7 @@ class GraphedOptimizer:
         self._grad_objects: list[torch.Tensor] = []  # the .grad objects they came from
         self._params: list[torch.Tensor] = []
         self._version = None
-        self.captured_comm: tuple[int, int] | None = None
+        self.captured_comm: CommStats | None = None  # what the captured step issued
         _live.add(self)
 
     def __getattr__(self, name):
@@ -130,7 +131,7 @@ class GraphedOptimizer:
         with torch.cuda.graph(graph, stream=self._stream):
             opt.step_body()
         # the replayed step issues exactly the collectives the captured one did
-        self.captured_comm = (opt.comm_stats.calls, opt.comm_stats.bytes)
+        self.captured_comm = opt.comm_stats.copy()
         self._graph = graph
         self._version = self.signature()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dion3_titan.dist.comm import CommStats
+from dion3_titan.dist.comm import CommStats, all_reduce_bytes
 from dion3_titan.dist.layout import MatrixLayout
 
 # The process groups whose ranks hold the other pieces of a shard's oriented rows; () when the
@@ -124,7 +124,7 @@ def reduce_row_stats(
     for n, group in enumerate(order):
         idx = members[group.group_name]
         if comm is not None:
-            comm.add(sum(stats[j].numel() * 4 for j in idx))
+            comm.add(all_reduce_bytes(sum(stats[j].numel() for j in idx), dist.get_world_size(group), 4))
         buf, work = None, None
         if n == 0:
             buf = _pack([stats[j] for j in idx])
