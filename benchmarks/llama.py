@@ -1,9 +1,11 @@
 """torchtitan llama3's parameter names and shapes (paper Table 4) without a forward, built
-sharded or whole, and fresh synthetic gradients written in place into its ``p.grad`` tensors."""
+sharded or whole, and fresh synthetic gradients written in place into its ``p.grad`` tensors;
+the llama3 arguments scripts/bench_train.py gives torchtitan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -26,6 +28,15 @@ class ModelShape:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+
+# torchtitan llama3 arguments of the models scripts/bench_train.py trains (it adds the corpus's
+# vocab_size). 1b: SwiGLU hidden int(1.5 * int(2 * 4 * 2048 / 3)) rounded up to 1024 = 8192, as
+# in Llama 3.2 1B.
+LLAMA3_ARGS: dict[str, dict[str, Any]] = {
+    "1b": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=1024),
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=64),
+}
 
 
 MODELS: dict[str, ModelShape] = {
