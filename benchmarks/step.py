@@ -59,7 +59,12 @@ from benchmarks.timing import copy_gbps, matmul_tflops
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="7b", choices=[m for m in MODELS if m != "tiny"])
+    p.add_argument(
+        "--model",
+        default="7b",
+        choices=[m for m in MODELS if m != "tiny"],
+        help="paper Table 4 shapes, or 1b_train: the llama3 model scripts/bench_train.py trains",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--layers", type=int, default=None, help="use this many layers instead of the model's")
     p.add_argument("--vocab", type=int, default=None, help="embedding/output rows (default 32000)")
