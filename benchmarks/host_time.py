@@ -13,9 +13,11 @@ import time
 
 import torch
 
-from benchmarks import step as bs
 from benchmarks.llama import GradFiller, build_model
 from benchmarks.ranks import init_distributed
+from benchmarks.step import model_shape, parse_args
+from benchmarks.step_configs import GRAPH_WARMUP, BenchConfig
+from benchmarks.step_runners import graphed_optimizer_class, make_runner
 
 
 def main() -> None:
@@ -27,10 +29,10 @@ def main() -> None:
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (it times CUDA-graph replays)")
-    args = bs.parse_args(["--model", a.model, "--layers", a.layers])
+    args = parse_args(["--model", a.model, "--layers", a.layers])
     device, mesh = init_distributed("cuda")
-    _, shape, _ = bs.model_shape(args)
-    graph_cls, note = bs.graphed_optimizer_class()
+    _, shape, _ = model_shape(args)
+    graph_cls, note = graphed_optimizer_class()
     if graph_cls is None:
         sys.exit(note)
     print(f"{torch.cuda.get_device_name(device)}, {a.model} shapes, {a.layers} layers; microseconds")
@@ -44,9 +46,9 @@ def main() -> None:
             "ns_algorithm": "gram",
             "backend": "auto",
         }
-        runner = bs.make_runner(bs.BenchConfig("x", "x", "dion3", options, graph=True), model, device, graph_cls)
+        runner = make_runner(BenchConfig("x", "x", "dion3", options, graph=True), model, device, graph_cls)
         graphed = runner.step.__self__
-        for _ in range(bs.GRAPH_WARMUP + 2):  # eager warm-up, capture, one replay
+        for _ in range(GRAPH_WARMUP + 2):  # eager warm-up, capture, one replay
             grads.fill()
             runner.step()
         parts = {

@@ -1,14 +1,18 @@
-"""torchtitan llama3's parameter names and shapes (paper Table 4) without a forward, built
-sharded or whole, and fresh synthetic gradients written in place into its ``p.grad`` tensors."""
+"""torchtitan llama3's parameter names and shapes (paper Table 4, and the model
+scripts/bench_train.py trains) without a forward, built sharded or whole, and fresh synthetic
+gradients written in place into its ``p.grad`` tensors; the llama3 arguments bench_train gives
+torchtitan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from benchmarks.ranks import rank
+from dion3_titan.data.build import DEFAULTS as CORPUS_DEFAULTS
 from dion3_titan.dist.layout import to_local
 
 
@@ -28,8 +32,36 @@ class ModelShape:
         return self.hidden // self.heads
 
 
+# torchtitan llama3 arguments of the models scripts/bench_train.py trains (it adds the corpus's
+# vocab_size). 1b: SwiGLU hidden int(1.5 * int(2 * 4 * 2048 / 3)) rounded up to 1024 = 8192, as
+# in Llama 3.2 1B.
+LLAMA3_ARGS: dict[str, dict[str, Any]] = {
+    "1b": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=1024),
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=64),
+}
+
+
+def llama3_shape(args: dict[str, Any], vocab: int) -> ModelShape:
+    """The shapes torchtitan's llama3 builds from ``args``: its SwiGLU hidden is 2/3 of 4 x dim,
+    times ``ffn_dim_multiplier`` when set, rounded up to a multiple of ``multiple_of``."""
+    hidden = int(2 * 4 * args["dim"] / 3)
+    if args.get("ffn_dim_multiplier") is not None:
+        hidden = int(args["ffn_dim_multiplier"] * hidden)
+    step = args.get("multiple_of", 256)  # torchtitan's default
+    return ModelShape(
+        hidden=args["dim"],
+        layers=args["n_layers"],
+        heads=args["n_heads"],
+        kv_heads=args["n_kv_heads"],
+        mlp_hidden=-(-hidden // step) * step,
+        vocab=vocab,
+    )
+
+
+# Paper Table 4, and (1b_train) the model scripts/bench_train.py trains on the large corpus.
 MODELS: dict[str, ModelShape] = {
     "1b": ModelShape(hidden=1536, layers=24, heads=16, kv_heads=8, mlp_hidden=6656),
+    "1b_train": llama3_shape(LLAMA3_ARGS["1b"], vocab=CORPUS_DEFAULTS["large"]["vocab_size"]),
     "3b": ModelShape(hidden=2304, layers=32, heads=18, kv_heads=6, mlp_hidden=9856),
     "4b": ModelShape(hidden=2560, layers=36, heads=32, kv_heads=8, mlp_hidden=10752),
     "7b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, mlp_hidden=11008),

@@ -19,8 +19,9 @@ import os
 import re
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TEMPLATE = os.path.join(REPO, "docs", "results.md")
+from benchmarks.machine import ROOT
+
+DEFAULT_TEMPLATE = os.path.join(ROOT, "docs", "results.md")
 PNG_STEP = "loss_vs_step.png"
 PNG_TIME = "loss_vs_opt_time.png"
 

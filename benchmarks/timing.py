@@ -11,6 +11,59 @@ import torch
 Timer = Callable[[Callable[[], object]], float]  # milliseconds of one call of its argument
 
 
+class RegionTimer:
+    """Device time of code regions: CUDA events recorded around each on a GPU (read after the
+    caller's own sync, so timing adds none of its own), perf_counter on a CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.pairs: list = []
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, begin) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.pairs.append((begin, e))
+        else:
+            self.pairs.append((begin, time.perf_counter()))
+
+    def millis(self) -> list[float]:
+        """Every region's ms (rounded to 0.1 us), after a synchronize."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [round(self._ms(pair), 4) for pair in self.pairs]
+
+    def last_ms(self) -> float:
+        """The last region's ms (0 before any); on a GPU its end must have been reached."""
+        return self._ms(self.pairs[-1]) if self.pairs else 0.0
+
+    def _ms(self, pair: tuple) -> float:
+        a, b = pair
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (a CPU runs synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile); all ``values[0]`` for one value, NaN for none."""
+    if len(values) < 2:
+        v = values[0] if values else float("nan")
+        return v, v, v
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], statistics.median(values), q[2]
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10, warmup: int = 3) -> float:
     """Median milliseconds of ``fn`` (CUDA events on a GPU, perf_counter on a CPU)."""
     for _ in range(warmup):

@@ -1,15 +1,16 @@
 """Throughput of real torchtitan training with AdamW, Muon and Dion3: llama3 at about 1B
 parameters on one device, trained on the project's offline corpus.
 
-Each optimizer is one training run in its own process, which runs what
-`python -m dion3_titan.train` runs (torchtitan's Trainer and main, the plugin registered), with
-the environment torchrun gives a single rank and a Trainer subclass that only adds clocks.
+Each optimizer is one training run in its own process (benchmarks/train_child.py), which runs
+what `python -m dion3_titan.train` runs (torchtitan's Trainer and main, the plugin registered),
+with the environment torchrun gives a single rank and a Trainer subclass that only adds clocks.
 The config is the project's llama3 debug config of that optimizer (`configs/llama3_debug_gpu_*`
 on a GPU, `configs/llama3_debug_*` on a CPU) with the model, batch and step count below; it is
 written to `outputs/bench_train/<name>/config.toml` (beside the run's log) and into the JSON.
 
-  * model: torchtitan's llama3 Transformer, dim 2048, 16 layers, 16 heads, 8 KV heads, SwiGLU
-    hidden 8192 (about 1.0B parameters), vocabulary of the corpus's BPE tokenizer;
+  * model: torchtitan's llama3 Transformer (``LLAMA3_ARGS`` in benchmarks/llama.py), dim 2048,
+    16 layers, 16 heads, 8 KV heads, SwiGLU hidden 8192 (about 1.0B parameters), vocabulary of
+    the corpus's BPE tokenizer;
   * precision: on one GPU torchtitan applies no FSDP; it trains fp32 parameters under bf16
     autocast (its AMP path); on a CPU everything is fp32;
   * optimizer step: captured in a CUDA graph where the plugin's default does so (the Dion3
@@ -52,24 +53,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from benchmarks.llama import LLAMA3_ARGS
+from benchmarks.machine import ROOT, device_name
 from benchmarks.output import fmt, output_path, write_json
+from benchmarks.timing import quartiles
+from benchmarks.train_child import FLAVOR, MODEL_ENV, RECORD
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: torchtitan depends on tomli
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_ENV = "DION3_BENCH_MODEL"  # the child's llama3 arguments (JSON), from the parent
-FLAVOR = "bench"  # the llama3 flavor name the child registers for them
-RECORD = "bench_record.json"  # what the child writes into its dump folder
-
-# torchtitan llama3 arguments (vocab_size comes from the corpus). 1b: SwiGLU hidden
-# int(1.5 * int(2 * 4 * 2048 / 3)) rounded up to 1024 = 8192, as in Llama 3.2 1B.
-MODELS: dict[str, dict[str, Any]] = {
-    "1b": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=1024),
-    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=64),
-}
 ROPE_THETA = 500000  # llama3's
 
 
@@ -89,10 +85,9 @@ RUNS = [
 ]
 
 
-# ----------------------------------------------------------------------------- parent
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="1b")
+    p.add_argument("--model", choices=sorted(LLAMA3_ARGS), default="1b")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8, help="local batch size (sequences per step)")
     p.add_argument("--steps", type=int, default=60)
@@ -171,7 +166,7 @@ def write_toml(cfg: dict, path: Path) -> None:
 
 def model_args(model: str, corpus: Path) -> dict:
     vocab = json.loads((corpus / "meta.json").read_text())["vocab_size"]
-    return {**MODELS[model], "vocab_size": vocab, "rope_theta": ROPE_THETA}
+    return {**LLAMA3_ARGS[model], "vocab_size": vocab, "rope_theta": ROPE_THETA}
 
 
 def free_port() -> int:
@@ -184,7 +179,7 @@ def launch(config: Path, margs: dict, log: Path, timeout_s: float) -> tuple[int,
     """One training process of this module, with the environment torchrun gives a single rank
     (torchrun itself would add a second interpreter start, ~6 s on a small CPU, to each run).
     (exit code, seconds); 124 on timeout."""
-    cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--job.config_file", str(config)]
+    cmd = [sys.executable, "-m", "benchmarks.train_child", "--job.config_file", str(config)]
     env = {**os.environ, MODEL_ENV: json.dumps(margs)}
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -221,13 +216,6 @@ def summarize(run: Run, record: dict, warmup: int) -> dict:
         "timed_steps": len(timed),
         "record": record,
     }
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], statistics.median(values), q[2]
 
 
 def log_tail(log: Path, lines: int = 40) -> str:
@@ -271,8 +259,6 @@ def markdown(rows: list[dict], memory: str) -> str:
 
 
 def meta(args: argparse.Namespace, corpus: Path, on_gpu: bool) -> dict:
-    import torch
-
     margs = model_args(args.model, corpus)
     return {
         "model": args.model,
@@ -282,7 +268,7 @@ def meta(args: argparse.Namespace, corpus: Path, on_gpu: bool) -> dict:
         "steps": args.steps,
         "warmup_steps_untimed": args.warmup,
         "corpus": str(corpus.relative_to(ROOT)),
-        "device": torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu",
+        "device": device_name(torch.device("cuda" if on_gpu else "cpu")),
         "precision": "bf16 autocast (torchtitan AMP), fp32 parameters" if on_gpu else "fp32",
         "memory": "torch.cuda.max_memory_allocated" if on_gpu else "process peak RSS",
         "optimizer_timer": "cuda events around optimizers.step()"
@@ -295,8 +281,6 @@ def meta(args: argparse.Namespace, corpus: Path, on_gpu: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     args = parse_args(argv)
     runs = selected_runs(args.only)
     on_gpu = torch.cuda.is_available()
@@ -316,119 +300,3 @@ def main(argv: list[str] | None = None) -> int:
     if out:
         print(f"\nJSON: {out}")
     return 0 if all(r["status"] == "ok" for r in data["results"]) else 1
-
-
-# ----------------------------------------------------------------------------- child (one training process)
-def register_flavor() -> None:
-    """The parent's llama3 arguments as the flavor FLAVOR (torchtitan reads flavors from this dict)."""
-    from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
-
-    llama3_args[FLAVOR] = TransformerModelArgs(**json.loads(os.environ[MODEL_ENV]))
-
-
-class OptimizerTimer:
-    """Wraps ``optimizers.step``: CUDA events around each call on a GPU (read after the step's
-    closing sync, so the timer adds no sync of its own), perf_counter on a CPU."""
-
-    def __init__(self, step, on_gpu: bool) -> None:
-        self._step, self._on_gpu = step, on_gpu
-        self._events = None
-        self._ms = 0.0
-
-    def __call__(self, *args, **kwargs):
-        if not self._on_gpu:
-            t0 = time.perf_counter()
-            result = self._step(*args, **kwargs)
-            self._ms = (time.perf_counter() - t0) * 1e3
-            return result
-        import torch
-
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = self._step(*args, **kwargs)
-        end.record()
-        self._events = (start, end)
-        return result
-
-    def last_ms(self) -> float:
-        if self._events is not None:
-            start, end = self._events
-            return start.elapsed_time(end)
-        return self._ms
-
-
-def peak_gb(on_gpu: bool) -> float:
-    import resource
-
-    import torch
-
-    if on_gpu:
-        return torch.cuda.max_memory_allocated() / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
-
-
-def timing_trainer() -> type:
-    import torch
-    from torchtitan.train import Trainer
-
-    class TimingTrainer(Trainer):
-        """torchtitan's Trainer, unchanged but for the clocks (see the module docstring)."""
-
-        def __init__(self, job_config: Any) -> None:
-            super().__init__(job_config)
-            self._on_gpu = self.device.type == "cuda"
-            self._timer = OptimizerTimer(self.optimizers.step, self._on_gpu)
-            self.optimizers.step = self._timer  # the trainer calls self.optimizers.step()
-            self._pending: dict = {}
-            log = self.metrics_processor.log
-
-            def log_and_record(step: int, loss: float, *args: Any, **kwargs: Any) -> None:
-                # before torchtitan's log, which resets the device's peak memory statistics
-                self._pending = {"loss": float(loss), "peak_gb": peak_gb(self._on_gpu)}
-                log(step, loss, *args, **kwargs)
-
-            self.metrics_processor.log = log_and_record
-            self._record = {
-                "params": sum(p.numel() for m in self.model_parts for p in m.parameters()),
-                "tokens_per_step": job_config.training.local_batch_size * job_config.training.seq_len,
-                "cuda_graph": self._captures(),
-                "steps": [],
-            }
-
-        def _captures(self) -> bool:
-            """Whether the optimizer step is replayed from a CUDA graph (torchtitan's own
-            container, for AdamW, never captures)."""
-            return bool(getattr(self.optimizers, "cuda_graph", False))
-
-        def _sync(self) -> None:
-            if self._on_gpu:
-                torch.cuda.synchronize()
-
-        def train_step(self, data_iterator) -> None:
-            self._sync()
-            t0 = time.perf_counter()
-            super().train_step(data_iterator)
-            self._sync()
-            step_ms = (time.perf_counter() - t0) * 1e3
-            entry = {"step": self.step, "step_ms": step_ms, "optimizer_ms": self._timer.last_ms(), **self._pending}
-            self._record["steps"].append(entry)
-
-        def train(self) -> None:
-            super().train()
-            if torch.distributed.get_rank() == 0:
-                path = Path(self.job_config.job.dump_folder) / RECORD
-                path.write_text(json.dumps(self._record))
-
-    return TimingTrainer
-
-
-if __name__ == "__main__":  # the training process the parent launches
-    register_flavor()
-    from dion3_titan.train import main as train_main
-
-    train_main(timing_trainer())
-    # The record is written and the process group destroyed; skipping the interpreter's own
-    # teardown (torch, torchtitan, datasets) saves ~3 s per run on a small CPU.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

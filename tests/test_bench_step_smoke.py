@@ -152,3 +152,32 @@ def test_graph_rows_with_a_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     _, rows = _rows(out)
     assert rows["dion3_f1/4+graph"]["status"] == "ok" and rows["dion3_f1/4+graph"]["gpu_ms"] > 0
     assert released == [True]
+
+
+@pytest.mark.parametrize("name", ["1b", "tiny"])
+def test_llama3_shapes_are_torchtitans(name: str) -> None:
+    """The shapes bench_step derives from bench_train's llama3 arguments are the parameter
+    names and shapes torchtitan's llama3 builds from them (on the meta device: no memory)."""
+    import torch
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    from benchmarks.llama import LLAMA3_ARGS, LlamaParams, llama3_shape
+
+    vocab = 8192 if name == "1b" else 512
+    shape = llama3_shape(LLAMA3_ARGS[name], vocab)
+    with torch.device("meta"):
+        ours = {n: tuple(p.shape) for n, p in LlamaParams(shape).named_parameters()}
+        titan = Transformer(TransformerModelArgs(**LLAMA3_ARGS[name], vocab_size=vocab))
+        theirs = {n: tuple(p.shape) for n, p in titan.named_parameters()}
+    assert ours == theirs
+
+
+def test_model_1b_train_is_bench_trains_model() -> None:
+    """--model 1b_train: bench_train's 1b (dim 2048, 16 layers, 16 heads / 8 KV heads, SwiGLU
+    hidden 8192) with the vocabulary of the large corpus bench_train trains on (8192)."""
+    from benchmarks.llama import ModelShape, count_params
+
+    name, shape, notes = bench.model_shape(bench.parse_args(["--model", "1b_train"]))
+    assert name == "1b_train" and not notes
+    assert shape == ModelShape(hidden=2048, layers=16, heads=16, kv_heads=8, mlp_hidden=8192, vocab=8192)
+    assert 1.0e9 < count_params(shape) < 1.1e9
