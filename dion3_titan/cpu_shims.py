@@ -1,9 +1,6 @@
-"""Let torchtitan 0.2.2 train on CPU (gloo) when no accelerator is present (0.3: titan03/cpu_shims.py,
-which reuses the generation-independent shims here).
-
-torchtitan assumes a CUDA-like device. Each shim below fixes one thing that breaks on a
-CPU-only machine (the sixth only matters for FlexAttention models such as gpt_oss);
-`apply()` is called by `dion3_titan.train` only when no accelerator exists.
+"""CPU (gloo) shims both torchtitan adapters install when no accelerator is present: each fixes
+one thing that breaks on a CPU-only machine. The torchtitan modules they touch differ by
+generation, so each adapter's cpu_shims.py names its own and calls these (titan02/, titan03/).
 """
 
 import importlib
@@ -14,15 +11,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
-# torchtitan modules that bind `device_type` / `device_module` at import time.
-DEVICE_BINDERS = (
-    "torchtitan.tools.utils",
-    "torchtitan.components.metrics",
-    "torchtitan.distributed.parallel_dims",
-    "torchtitan.distributed.utils",
-    "torchtitan.tools.profiling",
-)
 
 
 class _CpuDeviceModule:
@@ -62,8 +50,8 @@ class _CpuDeviceModule:
         pass
 
 
-def device_cpu(binders: tuple[str, ...] = DEVICE_BINDERS) -> None:
-    """Shims 1+2. torchtitan falls back to device type "cuda" when torch reports no
+def device_cpu(binders: tuple[str, ...]) -> None:
+    """torchtitan falls back to device type "cuda" when torch reports no
     accelerator, which fails at the first `torch.cuda` call: use "cpu" and a device module
     that has the helpers torchtitan expects."""
     for name in binders:
@@ -74,7 +62,7 @@ def device_cpu(binders: tuple[str, ...] = DEVICE_BINDERS) -> None:
 
 
 def fsdp_sum_reductions() -> None:
-    """Shim 3. torchtitan sets FSDP's gradient divide factor (to 1.0, or the data-parallel
+    """torchtitan sets FSDP's gradient divide factor (to 1.0, or the data-parallel
     size), which FSDP2 implements as ReduceOp.PREMUL_SUM or AVG; gloo has neither. FSDP's own
     switch `force_sum_reduction_for_comms` reduces with SUM and scales separately (same
     result): turn it on for every FSDP parameter group as it is created."""
@@ -93,7 +81,7 @@ def fsdp_sum_reductions() -> None:
 
 
 def histc_integers() -> None:
-    """Shim 4. The MoE router counts tokens per expert with `torch.histc` on int64 expert
+    """The MoE router counts tokens per expert with `torch.histc` on int64 expert
     indices; CUDA supports integer histc, CPU raises "histogram_cpu not implemented for
     'Long'". For integer CPU inputs only (which would otherwise raise), count in float32
     (exact below 2**24 per bin) and return the input's dtype, as CUDA does."""
@@ -108,25 +96,6 @@ def histc_integers() -> None:
 
     histc_cpu_ints._dion3_shim = True  # type: ignore[attr-defined]
     torch.histc = histc_cpu_ints
-
-
-def _moe_permute_indices_cpu() -> None:
-    """Shim 5. With expert parallelism, MoE token permutation builds its indices with a Triton
-    kernel (`generate_permute_indices(use_cpu=False)`), and Triton has no CPU driver.
-    torchtitan ships a CPU implementation behind `use_cpu=True`: select it for CPU tensors."""
-    import torchtitan.models.moe.utils as moe_utils
-
-    generate = moe_utils.generate_permute_indices
-    if getattr(generate, "_dion3_shim", False):
-        return
-
-    def generate_on_cpu(tokens_per_expert_group: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if tokens_per_expert_group.device.type == "cpu":
-            kwargs["use_cpu"] = True
-        return generate(tokens_per_expert_group, *args, **kwargs)
-
-    generate_on_cpu._dion3_shim = True  # type: ignore[attr-defined]
-    moe_utils.generate_permute_indices = generate_on_cpu
 
 
 def dense_flex_attention(
@@ -149,53 +118,3 @@ def dense_flex_attention(
     # Rows with no visible key: FlexAttention returns zeros (and lse = -inf).
     probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
     return (probs @ v.to(acc)).to(q.dtype), lse
-
-
-def _flex_attention_dense() -> None:
-    """Shim 6. FlexAttention (gpt_oss's attention, with sliding windows and sinks) refuses
-    backward on CPU. For CPU inputs, compute the same function densely (`dense_flex_attention`).
-    Memory is O(seq_len²) per head, fine for CPU debug models."""
-    from torchtitan.models.attention import FlexAttentionWrapper
-
-    flex = FlexAttentionWrapper._compiled_flex_attn
-    if getattr(flex, "_dion3_shim", False):
-        return
-
-    def flex_attention_cpu(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        block_mask: Any = None,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-        return_lse: bool = False,
-        **kwargs: Any,
-    ) -> Any:
-        if q.device.type != "cpu":
-            return flex(
-                q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, **kwargs
-            )
-        if kwargs.get("score_mod") is not None:
-            raise NotImplementedError("dion3_titan CPU shim: FlexAttention score_mod is not supported on CPU")
-        out, lse = dense_flex_attention(q, k, v, block_mask, scale, enable_gqa)
-        return (out, lse) if return_lse else out
-
-    flex_attention_cpu._dion3_shim = True  # type: ignore[attr-defined]
-    FlexAttentionWrapper._compiled_flex_attn = flex_attention_cpu
-
-
-_applied = False
-
-
-def apply() -> None:
-    """Install every shim. Idempotent; call before torchtitan's Trainer is built."""
-    global _applied
-    if _applied:
-        return
-    device_cpu()
-    fsdp_sum_reductions()
-    histc_integers()
-    _moe_permute_indices_cpu()
-    _flex_attention_dense()
-    _applied = True

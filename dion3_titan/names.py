@@ -1,6 +1,6 @@
 """The optimizer names this package adds to torchtitan, and the validation of their options.
 
-One owner for both torchtitan generations: 0.2's `[optimizer] name = "dion3"` (plugin.py) and
+One owner for both torchtitan generations: 0.2's `[optimizer] name = "dion3"` (titan02/) and
 0.3's `ParamGroupConfig(optimizer_name="Dion3", optimizer_kwargs={...})` (titan03/) resolve
 their options here, so a bad value gets the same message in both, naming the key and its
 allowed values. torchtitan-free.

@@ -13,7 +13,7 @@ bash scripts/setup_env.sh
 CONFIG=${CONFIG:-configs/llama3_debug_dion3.toml}
 # A bad config stops here, as one line naming the key (exit code 2): after a worker's failure
 # torchrun would print its own failure report below the reason.
-.venv/bin/python -m dion3_titan.check_config --job.config_file "$CONFIG" "$@"
+.venv/bin/python -m dion3_titan.titan02.check_config --job.config_file "$CONFIG" "$@"
 
 .venv/bin/python -m dion3_titan.data.build --size small   # returns at once when already built
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from dion3_titan import cpu_shims
+from dion3_titan.titan02 import cpu_shims
 
 
 def _sliding_window(b, h, q_idx, kv_idx):

@@ -44,7 +44,7 @@ def _groups(cfg) -> dict[str, tuple[float, float]]:
     """(lr, weight_decay) of each param group the plugin builds for ``cfg`` on a tiny model."""
     from torchtitan.components.optimizer import build_optimizers
 
-    from dion3_titan.plugin import wrap_builder
+    from dion3_titan.titan02.plugin import wrap_builder
 
     container = wrap_builder(build_optimizers)([_Tiny()], cfg.optimizer, parallel_dims=None)
     groups = [g for o in container.optimizers for g in o.param_groups]
@@ -81,7 +81,7 @@ def test_adamw_keeps_torchtitan_defaults() -> None:
 def test_dion3_without_the_extension_says_which_key_to_set() -> None:
     from torchtitan.config import ConfigManager
 
-    from dion3_titan.plugin import dion3_options
+    from dion3_titan.titan02.optimizers import dion3_options
 
     cfg = ConfigManager().parse_args(["--optimizer.name", "dion3"])
     with pytest.raises(ValueError, match="custom_config_module = 'dion3_titan.job_config'"):
@@ -89,7 +89,7 @@ def test_dion3_without_the_extension_says_which_key_to_set() -> None:
 
 
 def test_cli_overrides_reach_dion3_options() -> None:
-    from dion3_titan.plugin import dion3_options
+    from dion3_titan.titan02.optimizers import dion3_options
 
     cfg = _titan_config(
         "--optimizer.name",
@@ -121,7 +121,7 @@ def test_cli_overrides_reach_dion3_options() -> None:
     ],
 )
 def test_name_conflicts_and_unsupported_modes(args: tuple[str, ...], words: list[str]) -> None:
-    from dion3_titan.plugin import build_dion3_optimizers, dion3_options
+    from dion3_titan.titan02.optimizers import build_dion3_optimizers, dion3_options
 
     cfg = _titan_config(*args)
     if not words:
@@ -138,7 +138,7 @@ def test_prmuon_refuses_split_keys_and_skips_auto_split() -> None:
     import torch
 
     from dion3_titan.optim.split import auto_split_specs
-    from dion3_titan.plugin import build_dion3_optimizers
+    from dion3_titan.titan02.optimizers import build_dion3_optimizers
 
     model, attention = torch.nn.Module(), torch.nn.Module()
     attention.wqkv = torch.nn.Linear(8, 24, bias=False)  # a fused QKV (Q 12 | K 6 | V 6 rows)
@@ -161,7 +161,7 @@ def test_cuda_graph_warmup_below_one_is_refused(warmup: str, graph: bool) -> Non
     before the container needs a GPU, and even when cuda_graph is off."""
     import torch
 
-    from dion3_titan.plugin import build_dion3_optimizers
+    from dion3_titan.titan02.optimizers import build_dion3_optimizers
 
     cfg = _titan_config(
         "--optimizer.name",
@@ -180,7 +180,7 @@ def test_cuda_graph_warmup_one_is_accepted() -> None:
 
     from dion3_titan.optim.cuda_graph import GraphedOptimizer
     from dion3_titan.optim.dion3 import Dion3
-    from dion3_titan.plugin import build_dion3_optimizers
+    from dion3_titan.titan02.optimizers import build_dion3_optimizers
 
     cfg = _titan_config("--optimizer.name", "dion3", "--optimizer.cuda_graph_warmup", "1")
     build_dion3_optimizers([torch.nn.Linear(8, 8)], cfg.optimizer, parallel_dims=None)  # graph off: eager
@@ -264,7 +264,7 @@ def _check_case(tmp_path: Path, case: str) -> tuple[list[str], str | None]:
 
 @pytest.mark.parametrize("case", list(CHECKS))
 def test_bad_config_is_one_line(tmp_path: Path, case: str) -> None:
-    from dion3_titan.check_config import ConfigError, parse_job_config
+    from dion3_titan.titan02.check_config import ConfigError, parse_job_config
 
     args, line = _check_case(tmp_path, case)
     with pytest.raises(ConfigError) as err:
@@ -278,7 +278,7 @@ def test_bad_config_is_one_line(tmp_path: Path, case: str) -> None:
 
 
 def test_missing_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from dion3_titan.check_config import main
+    from dion3_titan.titan02.check_config import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--job.config_file", str(tmp_path / "none.toml")])
@@ -349,9 +349,9 @@ def test_torchrun_reports_the_one_line(tmp_path: Path, case: str) -> None:
 def test_shipped_configs_parse_and_validate(path: Path) -> None:
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from dion3_titan.check_config import parse_job_config
     from dion3_titan.names import NAMES
-    from dion3_titan.plugin import dion3_options
+    from dion3_titan.titan02.check_config import parse_job_config
+    from dion3_titan.titan02.optimizers import dion3_options
 
     cfg = parse_job_config(["--job.config_file", str(path)])  # ConfigError (one line) if not
     spec = get_train_spec(cfg.model.name)
@@ -369,7 +369,7 @@ def test_cuda_graph_default_names_why_it_stays_off_here() -> None:
     import torch
 
     from dion3_titan import Dion3
-    from dion3_titan.plugin import Dion3OptimizersContainer
+    from dion3_titan.titan02.optimizers import Dion3OptimizersContainer
 
     p = torch.nn.Parameter(torch.randn(8, 16))
     for name, selection, words in [("dion3", "l1", "CUDA"), ("prmuon", "l1", "two graphs"), ("dion3", "random", "")]:

@@ -1,6 +1,6 @@
 """Every torch and torchtitan 0.2 symbol the package patches or reads privately still exists, with
 the parameters our wrappers pass: an upstream release that renames one fails here, by name,
-instead of leaving a patch silently unapplied (cpu_shims.py and plugin.py skip a patch whose
+instead of leaving a patch silently unapplied (the titan02 adapter's cpu_shims.py and plugin.py skip a patch whose
 target looks applied, and the device shim skips a module without the global)."""
 
 import importlib
@@ -46,7 +46,7 @@ def test_torch_symbols() -> None:
 )
 def test_device_binders_bind_the_device(module: str) -> None:
     """cpu_shims.device_cpu rebinds these modules' device globals (it skips a missing one)."""
-    from dion3_titan import cpu_shims
+    from dion3_titan.titan02 import cpu_shims
 
     assert module in cpu_shims.DEVICE_BINDERS
     mod = importlib.import_module(module)

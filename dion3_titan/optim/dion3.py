@@ -22,6 +22,7 @@ from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import NSSettings, is_transposed_batch, normalize_batch, orthogonalize
+from dion3_titan.optim.routing import param_class
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.update import (
     apply_update,
@@ -151,7 +152,7 @@ class Dion3(torch.optim.Optimizer):
         self._hyper_all: torch.Tensor | None = None  # (groups, 2), the storage of those views
         self._hyper_values: list[float] | None = None  # what it holds, to skip redundant copies
         self._state_version = 0
-        # observability (dion3_titan.metrics): off unless enabled; no host syncs in the step
+        # observability (dion3_titan/optimizer_metrics.py): off unless enabled; no host syncs in the step
         self._last_selected: dict[int, torch.Tensor] | None = None  # member id -> (B, R) step
         self._step_t: torch.Tensor | None = None
         self.measure_updates = False  # set on logging steps: accumulate update sums of squares
@@ -565,8 +566,6 @@ class Dion3(torch.optim.Optimizer):
         return ((ages < window) & (last > 0)).float().mean(), ages.max()
 
     def _add_update_sumsq(self, name: str, update: torch.Tensor, layout) -> None:
-        from dion3_titan.metrics import param_class
-
         cls = param_class(name)
         value = update.square().sum()
         self.update_sumsq[cls] = self.update_sumsq.get(cls, 0) + value

@@ -38,6 +38,18 @@ def clean_name(name: str) -> str:
     return name
 
 
+def param_class(name: str) -> str:
+    """The class of a parameter by its name ("attention", "mlp", "experts" or "other"), for the
+    per-class update metrics (optimizer/update_rms/<class>)."""
+    if "expert" in name:
+        return "experts"
+    if "attention" in name or "attn" in name:
+        return "attention"
+    if "feed_forward" in name or "mlp" in name or "ffn" in name:
+        return "mlp"
+    return "other"
+
+
 def is_matrix(name: str, param: torch.Tensor, adamw_patterns: Iterable[str] = DEFAULT_ADAMW_PATTERNS) -> bool:
     """True when ``param`` should be orthogonalized (2D or 3D, not matched by a pattern)."""
     if param.ndim not in (2, 3):

@@ -8,5 +8,6 @@
 - ``recipes``: config functions for ``--module dion3_titan.titan03.recipes --config <name>``.
 - ``train``: ``python -m dion3_titan.train`` on 0.3 (CPU shims when no accelerator).
 
-Only this package (and plugin.py/job_config.py/train.py for 0.2) imports torchtitan.
+Only the adapters (titan02/, titan03/) and the shared glue beside them (train.py, cpu_shims.py,
+data/) import torchtitan.
 """

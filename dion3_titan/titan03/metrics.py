@@ -1,5 +1,5 @@
 """torchtitan 0.3's metrics processor, also logging Dion3's optimizer metrics
-(dion3_titan/metrics.py: time, communication, update RMS, selection) on its logging steps:
+(dion3_titan/optimizer_metrics.py: time, communication, update RMS, selection) on its logging steps:
 ``metrics=Dion3MetricsProcessor.Config(log_freq=10)`` with
 ``Dion3Optimizers.Config(optimizer_metrics=True, ...)``. TensorBoard/W&B get them under
 ``optimizer/...``; the console gets one ``[dion3]`` line."""
@@ -9,6 +9,8 @@ from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
+
+from dion3_titan.optimizer_metrics import console_line
 
 
 class Dion3MetricsProcessor(MetricsProcessor):
@@ -41,7 +43,5 @@ class Dion3MetricsProcessor(MetricsProcessor):
         if hasattr(opts, "collect_metrics"):
             opts.align_step(step)
         if ours:
-            logger.info(
-                f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/') :]}={v:.4g}" for k, v in ours.items())
-            )
+            logger.info(console_line(step, ours))
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **ours})

@@ -23,10 +23,10 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from dion3_titan.metrics import OptimizerMetrics
 from dion3_titan.names import NAMES, PRMUON_KEYS, resolve_options
 from dion3_titan.optim.cuda_graph import GraphedOptimizer
 from dion3_titan.optim.dion3 import Dion3
+from dion3_titan.optimizer_metrics import OptimizerMetrics, combine
 from dion3_titan.titan03.splits import split_specs_for
 
 # optimizer_name -> our NAMES key
@@ -197,17 +197,7 @@ class Dion3Optimizers(OptimizersContainer):
         """Metrics of the last measured step, summed (comm, time) or averaged over optimizers."""
         if not self._metrics:
             return {}
-        parts = [m.collect() for m in self._metrics.values()]
-        out: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for part in parts:
-            for key, value in part.items():
-                out[key] = out.get(key, 0.0) + value
-                counts[key] = counts.get(key, 0) + 1
-        for key in out:
-            if any(a in key for a in ("update_rms", "selection", "peak_mem")):
-                out[key] /= counts[key]
-        return out
+        return combine([m.collect() for m in self._metrics.values()])
 
 
 def dion3_param_groups(

@@ -1,6 +1,6 @@
 """Check a torchtitan job config (TOML + command-line overrides) before any worker builds anything.
 
-`python -m dion3_titan.check_config --job.config_file X.toml [overrides]` parses the arguments
+`python -m dion3_titan.titan02.check_config --job.config_file X.toml [overrides]` parses the arguments
 the way torchtitan's trainer will and reports the first problem as one line, exit code 2:
 
 - the config file is missing or is not TOML,
@@ -10,8 +10,8 @@ the way torchtitan's trainer will and reports the first problem as one line, exi
 - a bad Dion3 / Periodic Row-wise Muon value (the optimizers' own validation, `dion3_options`),
 - a validation batch that pipeline parallelism cannot cut into its microbatches.
 
-`dion3_titan.train` runs the same check on every rank before torchtitan starts, so a direct
-`torchrun -m dion3_titan.train` stops with the same line; `scripts/train_debug.sh` runs this
+`dion3_titan.train` runs the same check on every rank before torchtitan starts (titan02/train.py),
+so a direct `torchrun -m dion3_titan.train` stops with the same line; `scripts/train_debug.sh` runs this
 module before torchrun, so there the line is the last one on the console.
 """
 
@@ -40,7 +40,8 @@ def parse_job_config(args: list[str]) -> Any:
     `[optimizer]` value of our optimizers validated. Raises ConfigError (one line)."""
     from torchtitan.config import ConfigManager
 
-    from dion3_titan.plugin import NAMES, dion3_options
+    from dion3_titan.names import NAMES
+    from dion3_titan.titan02.optimizers import dion3_options
 
     manager = ConfigManager()
     toml = _load_toml(manager, args)
@@ -93,7 +94,7 @@ def check_toml(config_cls: type, toml: dict[str, Any]) -> None:
 
 
 def _unknown_key_hint(section: str, key: str, keys: Any) -> str:
-    from dion3_titan.job_config import PLUGIN_FIELDS, optimizer_keys
+    from dion3_titan.titan02.job_config import PLUGIN_FIELDS, optimizer_keys
 
     if section == "optimizer" and (key in optimizer_keys() or key in [f[0] for f in PLUGIN_FIELDS]):
         return ' (a dion3_titan key: set [job] custom_config_module = "dion3_titan.job_config")'

@@ -1,4 +1,4 @@
-"""Optimizer metrics for a training run's logger: measured only on logging steps, so other
+"""Optimizer metrics for a training run's logger (both torchtitan adapters log them): measured only on logging steps, so other
 steps get no host synchronization and no extra device work.
 
 Reported (names as logged):
@@ -22,17 +22,28 @@ import torch
 
 from dion3_titan.dist.layout import to_local
 
-CLASSES = ("attention", "mlp", "experts", "other")
+# Metrics averaged over model parts (or optimizers); every other one is summed.
+AVERAGED = ("update_rms", "selection", "peak_mem")
 
 
-def param_class(name: str) -> str:
-    if "expert" in name:
-        return "experts"
-    if "attention" in name or "attn" in name:
-        return "attention"
-    if "feed_forward" in name or "mlp" in name or "ffn" in name:
-        return "mlp"
-    return "other"
+def combine(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics of several optimizers (model parts, or one optimizer per name): time
+    and communication summed, rates and shares averaged over the parts that report them."""
+    out: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    for key in out:
+        if any(a in key for a in AVERAGED):
+            out[key] /= counts[key]
+    return out
+
+
+def console_line(step: int, metrics: dict[str, float]) -> str:
+    """The one console line of a logging step's optimizer metrics."""
+    return f"[dion3] step {step:2} " + "  ".join(f"{k[len('optimizer/') :]}={v:.4g}" for k, v in metrics.items())
 
 
 class OptimizerMetrics:
