@@ -63,8 +63,9 @@ class OptimizerMetrics:
             return
         cuda = torch.cuda.is_available() and any(to_local(p).is_cuda for g in d.param_groups for p in g["params"])
         d.comm_stats.reset()
-        d.measure_updates = True
-        d.update_sumsq, d.update_numel = {}, {}
+        obs = d.observer
+        obs.measure_updates = True
+        obs.update_sumsq, obs.update_numel = {}, {}
         adamw_before = self._adamw_snapshot()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -75,7 +76,7 @@ class OptimizerMetrics:
         host_ms = (time.perf_counter() - t0) * 1e3
         if cuda:
             end.record()
-        d.measure_updates = False
+        obs.measure_updates = False
         comm = d.comm_stats.copy()
         captured = getattr(opt, "captured_comm", None)
         if captured is not None and getattr(opt, "graph", None) is not None:
@@ -113,13 +114,13 @@ class OptimizerMetrics:
             torch.cuda.synchronize()
             out["optimizer/gpu_ms"] = p["events"][0].elapsed_time(p["events"][1])
             out["optimizer/peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-        for cls, sq in d.update_sumsq.items():
-            out[f"optimizer/update_rms/{cls}"] = float((sq / max(d.update_numel[cls], 1)).sqrt())
+        for cls, sq in d.observer.update_sumsq.items():
+            out[f"optimizer/update_rms/{cls}"] = float((sq / max(d.observer.update_numel[cls], 1)).sqrt())
         before, after = p["adamw"]
         if before:
             sq = sum(float((a.float() - b.float()).square().sum()) for a, b in zip(after, before))
             out["optimizer/update_rms/adamw"] = (sq / max(sum(b.numel() for b in before), 1)) ** 0.5
-        covered, oldest = d.selection_stats(self.window)
+        covered, oldest = d.observer.selection_stats(self.window)
         out["optimizer/selection/covered"] = float(covered)
         out["optimizer/selection/oldest_unselected"] = float(oldest)
         self._pending = None

@@ -485,7 +485,7 @@ def test_single_rank_fast_packing_equals_the_general_path(flavor, monkeypatch):
             opt.step()
         return [p.detach() for p in ps]
 
-    from dion3_titan.optim import dion3 as dion3_module
+    from dion3_titan.optim import stages_reference as dion3_module  # the reference pack
 
     calls = []
     real = dion3_module.normalize_batch

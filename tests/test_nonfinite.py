@@ -62,9 +62,9 @@ def _snapshot(opt) -> dict[str, torch.Tensor]:
         for key in ("selection_step", "prmuon_step"):
             if key in group:
                 out[f"group{gi}.{key}"] = torch.tensor([group[key]])
-    for i, stamps in enumerate(opt._last_selected.values()):
+    for i, stamps in enumerate(opt.observer.last_selected.values()):
         out[f"stamps{i}"] = _bits(stamps)
-    out["step_t"] = _bits(opt._step_t)
+    out["step_t"] = _bits(opt.observer.step_t)
     return out
 
 

@@ -185,7 +185,7 @@ class PeriodicRowwiseMuon(Dion3):
         updated while it is in flight, the split ones after it lands.
         """
         members = [(sg.group_index, m) for sg in shape_groups for m in sg.members]
-        self._add_gradients([m for _, m in members])
+        self._add_gradients(shape_groups)
 
         views, splits = [], []
         for _, m in members:
@@ -211,12 +211,12 @@ class PeriodicRowwiseMuon(Dion3):
         cfg, prm = self._configs[gi], self._prm[gi]
         direction = rownorm_direction(mom, sq_sums, prm.rownorm_eps)
         weight = orient(to_local(m.param), self._rownorm_layout[id(m.param)][0])
-        lr, decay, mu = self._step_factors(gi)  # live, and no-ops on a skipped step
+        f = self._step_factors(gi)  # live, and no-ops on a skipped step
         batch, rows = mom.shape[:2]
         every_row = torch.arange(rows, device=mom.device).expand(batch, rows)
         backend = select_backend(cfg.backend, tuple(mom.shape), cfg.compute_dtype, mom.device)
-        backend.fused_update(weight, direction, every_row, lr * (m.lr_scale * prm.rownorm_gamma), decay)
-        mom.mul_(mu)
+        backend.fused_update(weight, direction, every_row, f.lr * (m.lr_scale * prm.rownorm_gamma), f.decay)
+        mom.mul_(f.mu)
 
 
 def _check_fixed(key: str, value, where: str) -> None:

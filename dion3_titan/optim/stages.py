@@ -1,0 +1,149 @@
+"""The stages of a Dion3 step that have two implementations, and what passes between them.
+
+A step (optim/dion3.py) runs, per shape group: accumulate, select, pack, exchange,
+orthogonalize, normalize, exchange back, update. Selection (optim/selection.py), the exchanges
+(dist/comm.py) and Newton-Schulz (optim/orthogonalize.py) are the same everywhere. Four stages
+differ by where they run, and ``Stages`` is their interface:
+
+- ``ReferenceStages`` (stages_reference.py): torch ops, one tensor at a time. Any device; the
+  reference the other is tested against.
+- ``RowEngineStages`` (stages_engine.py): the row engine's fused Triton kernels (GPU, or any
+  device under TRITON_INTERPRET=1), one launch per shape group, each byte of momentum and
+  weights touched once per stage.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dion3_titan.dist.layout import to_local
+from dion3_titan.dist.plan import Member, ShapeGroup
+from dion3_titan.kernels import Backend
+from dion3_titan.kernels.row_engine import TableCache
+from dion3_titan.optim.config import Dion3Config
+from dion3_titan.optim.flavors import Flavor
+from dion3_titan.optim.nonfinite import NonfiniteGuard
+from dion3_titan.optim.orthogonalize import NSSettings
+from dion3_titan.optim.selection import Selection
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row statistics of a shape group's momentum (N, R) float32, from the accumulate pass."""
+
+    l1: torch.Tensor  # l1 norms: the selection scores
+    sq: torch.Tensor  # sums of squares: the Frobenius norm of the selected rows without a second read
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One shape group in this step: its settings and the local (B, R, C) views of its members."""
+
+    sg: ShapeGroup
+    cfg: Dion3Config
+    ns: NSSettings
+    flavor: Flavor
+    momenta: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    row_states: list[torch.Tensor] | None  # the flavor's per-row state (B, R) per member, or None
+    active: list[bool]  # a member without a gradient contributes nothing and receives no update
+    guard: NonfiniteGuard
+    tables: TableCache
+
+    @property
+    def members(self) -> list[Member]:
+        return self.sg.members
+
+
+@dataclass(frozen=True)
+class Packed:
+    """The group's selected rows, ready for the exchange (or, when nothing moves, for NS)."""
+
+    x: torch.Tensor  # (N, K, C), zero-padded
+    row_data: torch.Tensor | None  # (N, K) per-row data that travels with the rows
+    normalized: bool  # x is already Newton-Schulz's input (scaled, in its dtype)
+
+
+@dataclass(frozen=True)
+class Normalized:
+    """The flavor's normalization of the orthogonalized rows, on the owner: the rows to apply
+    and their new per-row data, or (with ``den``/``scale``) the NS result and the factors the
+    update kernel applies itself."""
+
+    rows: torch.Tensor
+    row_data: torch.Tensor | None
+    den: torch.Tensor | None = None  # (N, K) row denominators
+    scale: torch.Tensor | None = None  # (N,) matrix scales
+
+
+@dataclass(frozen=True)
+class Factors:
+    """This step's factors of a matrix group, live device scalars (a captured step reads them)."""
+
+    lr: torch.Tensor  # 0 on a step with a non-finite gradient
+    decay: torch.Tensor  # 1 - lr' * weight_decay (exactly 1 on such a step)
+    mu: torch.Tensor  # the momentum decay of the selected rows (exactly 1 on such a step)
+    momentum: float  # mu as configured (kernels gate it themselves)
+
+
+class Stages:
+    """The stages whose implementation differs between the torch reference and the row engine."""
+
+    name = "abstract"
+
+    def accumulate(
+        self,
+        groups: Sequence[ShapeGroup],
+        momentum: Callable[[torch.Tensor], torch.Tensor],
+        guard: NonfiniteGuard,
+        tables: TableCache,
+    ) -> dict[int, RowStats]:
+        """1. M <- M + G (gated by ``guard``), once per parameter of ``groups``; returns the
+        row statistics by id(group) where this implementation computes them in the same pass."""
+        raise NotImplementedError
+
+    def pack(self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool) -> Packed:
+        """3. The selected rows of the group's momentum (and per-row data), zero-padded to the
+        group's fixed block. ``moves``: the batch goes to other ranks (else it is this rank's
+        own NS batch); ``tall``: NS works on its transpose."""
+        raise NotImplementedError
+
+    def voids_in_kernel(self, moves: bool) -> bool:
+        """Whether the update zeroes a non-finite NS result itself (no pass over the batch)."""
+        return False
+
+    def normalize(
+        self, g: GroupStep, ortho: torch.Tensor, row_data: torch.Tensor | None, void: torch.Tensor, moves: bool
+    ) -> Normalized:
+        """6. The flavor's normalization of the owner's NS results (``void``: matrices taken as zero)."""
+        raise NotImplementedError
+
+    def update(
+        self,
+        g: GroupStep,
+        sel: Selection,
+        result: torch.Tensor,
+        row_data: torch.Tensor | None,
+        norm: Normalized,
+        factors: Factors,
+        backend: Backend,
+        void: torch.Tensor | None,
+    ) -> None:
+        """8. Weight decay on every row, the update of the selected rows (one rounding), the
+        error-feedback decay of their momentum and the flavor's new per-row state. ``result``
+        (N, selected, C_local): this rank's rows of the results; ``row_data`` their per-row data."""
+        raise NotImplementedError
+
+
+def gradients_once(groups: Sequence[ShapeGroup]) -> list[tuple[Member, torch.Tensor]]:
+    """(member, local gradient) of each parameter of ``groups`` that has a gradient, once per
+    parameter (a split parameter has several members)."""
+    seen: set[int] = set()
+    out = []
+    for sg in groups:
+        for m in sg.members:
+            if m.param.grad is not None and id(m.param) not in seen:
+                seen.add(id(m.param))
+                out.append((m, to_local(m.param.grad)))
+    return out

@@ -1,0 +1,117 @@
+"""The row engine's implementation of a step's stages (optim/stages.py): the fused Triton
+kernels of optim/engine.py, one launch per shape group, each byte of momentum and weights
+touched once per stage. Where nothing moves, the selected rows go straight into the
+Newton-Schulz batch (normalized and cast in the same pass) and the update kernel applies the
+flavor's epilogue and voids non-finite results itself."""
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dion3_titan.dist.layout import to_local
+from dion3_titan.dist.plan import ShapeGroup
+from dion3_titan.kernels import Backend, select_backend
+from dion3_titan.kernels.row_engine import TableCache
+from dion3_titan.optim import engine
+from dion3_titan.optim.nonfinite import NonfiniteGuard
+from dion3_titan.optim.orthogonalize import is_transposed_batch
+from dion3_titan.optim.selection import Selection
+from dion3_titan.optim.stages import Factors, GroupStep, Normalized, Packed, RowStats, Stages
+
+
+class RowEngineStages(Stages):
+    name = "row_engine"
+
+    def accumulate(
+        self,
+        groups: Sequence[ShapeGroup],
+        momentum: Callable[[torch.Tensor], torch.Tensor],
+        guard: NonfiniteGuard,
+        tables: TableCache,
+    ) -> dict[int, RowStats]:
+        """M += G and each row's l1 norm and sum of squares, one launch per shape group."""
+        stats = {}
+        for sg in groups:
+            device = to_local(sg.members[0].param).device
+            l1 = torch.empty(sg.batch, sg.local_rows, dtype=torch.float32, device=device)
+            stats[id(sg)] = RowStats(l1, torch.empty_like(l1))
+        engine.accumulate(
+            [(sg.members, stats[id(sg)].l1, stats[id(sg)].sq) for sg in groups],
+            momentum,
+            lambda p: None if p.grad is None else to_local(p.grad),
+            guard,
+            tables,
+        )
+        return stats
+
+    def pack(self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool) -> Packed:
+        """Selected rows straight into the NS batch at the backend's Gram side (zero rows past
+        k), normalized and cast, when nothing moves; else into the zero-padded send buffer (the
+        owner normalizes)."""
+        sg, cfg, views = g.sg, g.cfg, g.momenta
+        row_data = None
+        if g.row_states is not None:  # the flavor's per-row state travels with the rows
+            row_data = engine.gather_row_state(g.row_states, sel.rows, sg.k, g.tables)
+        rows = None if sel.every_row else sel.rows
+        if not moves and sg.cols == sg.local_cols and sg.k == sg.selected:
+            backend = select_backend(cfg.backend, (sg.batch, sg.k, sg.cols), cfg.compute_dtype, views[0].device)
+            side = sg.k if tall else backend.gram_side(sg.k)
+            transposed = sel.every_row and is_transposed_batch(views)
+            shape = (sg.batch, side, sg.cols)
+            x = engine.pack(
+                views, rows, sel.valid, g.active, shape, g.ns.dtype, stats.sq, g.ns.eps, transposed, g.tables
+            )
+            return Packed(x, row_data, True)
+        shape = (sg.batch, sg.k, sg.cols)
+        return Packed(
+            engine.pack(views, rows, sel.valid, g.active, shape, views[0].dtype, tables=g.tables), row_data, False
+        )
+
+    def voids_in_kernel(self, moves: bool) -> bool:
+        return not moves
+
+    def normalize(
+        self, g: GroupStep, ortho: torch.Tensor, row_data: torch.Tensor | None, void: torch.Tensor, moves: bool
+    ) -> Normalized:
+        cols = g.members[0].layout.global_cols
+        if not moves:  # the update kernel applies it (epilogue)
+            den, scale, data = g.flavor.epilogue(ortho, row_data, g.cfg, cols, void)
+            return Normalized(ortho, data, den, scale)
+        rows, data = g.flavor.normalize(ortho, row_data, g.cfg, cols)
+        return Normalized(rows, data)
+
+    def update(
+        self,
+        g: GroupStep,
+        sel: Selection,
+        result: torch.Tensor,
+        row_data: torch.Tensor | None,
+        norm: Normalized,
+        factors: Factors,
+        backend: Backend,
+        void: torch.Tensor | None,
+    ) -> None:
+        """The whole group's update, error feedback, epilogue and new per-row state in one launch
+        (a step with a non-finite gradient leaves weights, momentum and state as they are)."""
+        sg = g.sg
+        slot = None if sel.every_row else engine.slots(sel.rows, sel.valid, sg.local_rows)
+        row_state = None
+        if g.row_states is not None:
+            row_state = engine.RowState(g.row_states, row_data[:, : sg.selected].float())
+        engine.update(
+            g.weights,
+            g.momenta,
+            result,
+            slot,
+            factors.lr,
+            factors.decay,
+            factors.momentum,
+            [m.lr_scale for m in g.members],
+            None if norm.den is None else norm.den[:, : sg.selected],
+            norm.scale,
+            ok=g.guard.ok,
+            void=void,
+            row_state=row_state,
+            active=g.active,
+            tables=g.tables,
+        )

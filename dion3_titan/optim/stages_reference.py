@@ -1,0 +1,106 @@
+"""The reference implementation of a step's stages (optim/stages.py): torch ops on each member's
+views. It runs on any device and is what the row engine is tested against."""
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dion3_titan.dist.plan import ShapeGroup
+from dion3_titan.kernels import Backend
+from dion3_titan.kernels.row_engine import TableCache
+from dion3_titan.optim.nonfinite import NonfiniteGuard
+from dion3_titan.optim.orthogonalize import is_transposed_batch, normalize_batch
+from dion3_titan.optim.selection import Selection
+from dion3_titan.optim.stages import Factors, GroupStep, Normalized, Packed, RowStats, Stages, gradients_once
+from dion3_titan.optim.update import apply_update, take_rows
+
+
+def _join(views: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate (B, R, C) views along the batch. Views that select W's columns are
+    transposed views of contiguous tensors: join those in their own memory order (a coalesced
+    copy, not a strided one) and hand back the same transposed view."""
+    if is_transposed_batch(views):
+        return torch.cat([v.mT for v in views]).mT
+    return torch.cat(views)
+
+
+class ReferenceStages(Stages):
+    name = "reference"
+
+    def accumulate(
+        self,
+        groups: Sequence[ShapeGroup],
+        momentum: Callable[[torch.Tensor], torch.Tensor],
+        guard: NonfiniteGuard,
+        tables: TableCache,
+    ) -> dict[int, RowStats]:
+        pairs = gradients_once(groups)
+        guard.accumulate([momentum(m.param) for m, _ in pairs], [grad for _, grad in pairs])
+        return {}
+
+    def pack(self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool) -> Packed:
+        sg, views = g.sg, g.momenta
+        row_data = None
+        if g.row_states is not None:  # the flavor's per-row state travels with the rows
+            row_data = torch.nn.functional.pad(torch.cat(g.row_states).gather(1, sel.rows), (0, sg.k - sg.selected))
+        whole = sel.every_row and not moves and sg.cols == sg.local_cols and sg.k == sg.selected
+        if whole and all(g.active):
+            # The whole momentum stays here: normalize it straight into the NS batch (one
+            # pass over each matrix instead of a float32 copy, its norm, a division and a cast).
+            return Packed(normalize_batch(views, g.ns.eps, g.ns.dtype), row_data, True)
+        if sel.every_row:
+            send = _join(views)
+        else:
+            send = torch.cat([take_rows(v, r) for v, r in zip(views, sel.rows_of(g.members))])
+        for m, active in zip(g.members, g.active):
+            if not active:  # no gradient: contributes nothing, receives no update
+                send[m.offset : m.offset + m.layout.batch] = 0
+        if sel.valid is not None:
+            send = send * sel.valid.unsqueeze(-1).to(send.dtype)
+        if sg.cols > sg.local_cols or sg.k > sg.selected:  # (pad copies even when it adds nothing)
+            send = torch.nn.functional.pad(send, (0, sg.cols - sg.local_cols, 0, sg.k - sg.selected))
+        return Packed(send, row_data, False)
+
+    def normalize(
+        self, g: GroupStep, ortho: torch.Tensor, row_data: torch.Tensor | None, void: torch.Tensor, moves: bool
+    ) -> Normalized:
+        rows, data = g.flavor.normalize(ortho, row_data, g.cfg, g.members[0].layout.global_cols)
+        return Normalized(rows, data)
+
+    def update(
+        self,
+        g: GroupStep,
+        sel: Selection,
+        result: torch.Tensor,
+        row_data: torch.Tensor | None,
+        norm: Normalized,
+        factors: Factors,
+        backend: Backend,
+        void: torch.Tensor | None,
+    ) -> None:
+        """Each member's update with error feedback, then its per-row state written back."""
+        rows_of, valid_of = sel.rows_of(g.members), sel.valid_of(g.members)
+        for i, m in enumerate(g.members):
+            if not g.active[i]:
+                continue
+            sl = slice(m.offset, m.offset + m.layout.batch)
+            rows, valid = rows_of[i], valid_of[i]
+            lr = factors.lr * m.lr_scale
+            apply_update(
+                g.weights[i],
+                g.momenta[i],
+                result[sl],
+                rows,
+                valid,
+                lr,
+                factors.decay,
+                factors.mu,
+                backend,
+                sel.every_row,
+            )
+            if g.row_states is not None:
+                state = g.row_states[i]
+                new, old = row_data[sl, : g.sg.selected].float(), state.gather(1, rows)
+                if valid is not None:
+                    new = torch.where(valid, new, old)
+                state.scatter_(1, rows, g.guard.keep(new, old))
