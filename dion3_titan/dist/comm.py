@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 # torch >= 2.13 renames all_gather_into_tensor (output: inputs concatenated along dim 0).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Exchange:
         return result, extra
 
 
-def _append_extra(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+def append_extra(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
     if extra is None:
         return x
     return torch.cat([x, extra.to(x.dtype).unsqueeze(-1)], dim=-1)
@@ -151,7 +151,7 @@ class ShardedExchange(Exchange):
 
     def gather(self, rows, extra):
         self._to(rows.device)
-        send = _append_extra(rows, extra).index_select(0, self.order).reshape(-1)
+        send = append_extra(rows, extra).index_select(0, self.order).reshape(-1)
         out = self._all_to_all(send, sum(self.recv_splits), self.recv_splits, self.send_splits)
         k, c, nrb, ncb, n = self.k, self.cols, self.n_rb, self.n_cb, self.n_own
         blocks = out.view(self.size, n, k, self.width).index_select(0, self.grid)
@@ -185,9 +185,9 @@ class ReplicatedExchange(Exchange):
 
     moves_data = True
 
-    def __init__(self, group, rank: int, owners: list[int], stats: CommStats) -> None:
+    def __init__(self, group, rank: int, size: int, owners: list[int], stats: CommStats) -> None:
         self.group = group
-        self.size = max(owners) + 1 if owners else 1
+        self.size = size  # the group's ranks (a small local batch leaves some owning nothing)
         self.stats = stats
         self.n_max = max(owners.count(q) for q in range(self.size))
         # slot s of rank q holds matrix slots[q][s] (padded by repeating a matrix, discarded)
@@ -211,9 +211,9 @@ class ReplicatedExchange(Exchange):
 
     def scatter(self, result, extra):
         self._to(result.device)
-        packed = _append_extra(result, extra)
+        packed = append_extra(result, extra)
         out = packed.new_empty(self.size * packed.shape[0], *packed.shape[1:])
-        _all_gather(out, packed.contiguous(), group=self.group)
+        all_gather_into(out, packed.contiguous(), group=self.group)
         self.stats.add(all_gather_bytes(packed.numel(), self.size, out.element_size()), link="replicate")
         out = out.index_select(0, self.back)
         if extra is None:
@@ -228,7 +228,7 @@ def full_row_scores(exchange: Exchange, local: torch.Tensor, stats: CommStats) -
     if not isinstance(exchange, ShardedExchange):
         return local.unsqueeze(1)
     out = local.new_empty(exchange.size * local.shape[0], *local.shape[1:])
-    _all_gather(out, local.contiguous(), group=exchange.group)
+    all_gather_into(out, local.contiguous(), group=exchange.group)
     stats.add(all_gather_bytes(local.numel(), exchange.size, out.element_size()))
     out = out.view(exchange.size, *local.shape)
     grid = out.index_select(0, exchange.grid.to(out.device)).view(exchange.n_rb, exchange.n_cb, *local.shape)

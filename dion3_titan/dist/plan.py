@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dion3_titan.dist.comm import CommStats, Exchange, ReplicatedExchange, ShardedExchange
 from dion3_titan.dist.layout import MatrixLayout
+from dion3_titan.dist.replicas import ReplicaSplit
 from dion3_titan.kernels.flops import ns_flops
 
 
@@ -28,6 +29,8 @@ class PlanSettings:
     ns_algorithm: str  # the Newton-Schulz cost that owners are balanced on
     ns_steps: int
     ns_restarts: tuple[int, ...]
+    replicate_sync: str = "gradients"  # "compressed": the replicas' momenta differ (replicas.py)
+    replicate_ns: str = "repeat"  # "split": each replica orthogonalizes a share of every group
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,14 @@ class ShapeGroup:
     row_block: int = 0
     col_blocks: int = 1
     global_k: int = 0
+    # across HSDP replicas: the split of the owned batch over them (None: every replica
+    # orthogonalizes all of it, which is right when they hold the same momentum)
+    replicas: ReplicaSplit | None = None
+
+    @property
+    def moves_data(self) -> bool:
+        """Whether the packed rows leave this rank (to their owner, or to share with replicas)."""
+        return self.exchange.moves_data or self.replicas is not None
 
     @property
     def batch(self) -> int:
@@ -215,15 +226,18 @@ def _plan_group(g: ShapeGroup, h: PlanSettings, stats: CommStats, loads: dict) -
     g.local_rows, g.local_cols = lay.local_rows, lay.local_cols
     fraction, scope = h.fraction, h.selection_scope
     device = g.members[0].param.device
+    replicas = [r for r in lay.replicas if r.size > 1] if dist.is_initialized() else []
+    compressed = h.replicate_sync == "compressed"
     if not lay.matrix_shards():
         g.k = rows_to_select(fraction, g.local_rows)
         g.cols = g.local_cols
         g.block_rows, g.global_k = (g.local_rows,), g.k
-        replicas = [r for r in lay.replicas if r.size > 1]
-        if replicas and dist.is_initialized():
+        if replicas and compressed:
+            g.replicas = _replica_split(lay, replicas, g.batch, True, stats)
+        elif replicas:  # replicated whole (DDP): each replica orthogonalizes its share
             r = replicas[0]
             owners = [j % r.size for j in range(g.batch)]
-            g.exchange = ReplicatedExchange(lay.mesh.get_group(r.mesh_dim), r.rank, owners, stats)
+            g.exchange = ReplicatedExchange(lay.mesh.get_group(r.mesh_dim), r.rank, r.size, owners, stats)
         return
     group, rank, row_block, col_block = _gather_group(lay)
     shapes = _all_gather_ints([g.local_rows, g.local_cols], group, device if device.type != "meta" else "cpu")
@@ -246,3 +260,15 @@ def _plan_group(g: ShapeGroup, h: PlanSettings, stats: CommStats, loads: dict) -
         load[q] += cost
         owners.append(q)
     g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, h.row_data, stats)
+    if replicas and (compressed or h.replicate_ns == "split"):
+        g.replicas = _replica_split(lay, replicas, g.exchange.n_own, compressed, stats)
+
+
+def _replica_split(lay: MatrixLayout, replicas: list, n: int, mean: bool, stats: CommStats) -> ReplicaSplit:
+    if len(replicas) > 1:
+        raise ValueError(
+            f"a parameter of shape {lay.global_shape} is replicated over {len(replicas)} mesh dims; splitting "
+            "across replicas (replicate_sync='compressed' or replicate_ns='split') takes one replicate dim"
+        )
+    r = replicas[0]
+    return ReplicaSplit(lay.mesh.get_group(r.mesh_dim), r.rank, r.size, n, mean, stats)

@@ -20,6 +20,8 @@ SELECTION_SCOPES = ("local", "global")
 SELECTION_DIMS = ("rows", "cols")
 BACKENDS = PREFERENCES  # kernels/dispatch.py owns the backend names
 NONFINITE = ("raise", "skip")
+REPLICATE_SYNCS = ("gradients", "compressed")
+REPLICATE_NS = ("repeat", "split")
 
 # Muon's fixed quintic (Jordan et al.), used at every step.
 MUON_QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -98,6 +100,13 @@ class Dion3Config:
     # batches of as many matrices as the shards of each (for comparisons, paper Table 1)
     nonfinite: str = "raise"  # non-finite gradients: "raise" names the parameters; "skip" skips the step
     seed: int = 0  # random selection's generator seed
+    # Across HSDP replicas (docs/distributed.md): "gradients" (FSDP2 all-reduces every gradient
+    # across them) or "compressed" (each replica keeps its own momentum; only the selected rows'
+    # mean crosses, and each replica orthogonalizes a share of every shape group).
+    replicate_sync: str = "gradients"
+    # With "gradients": "repeat" (every replica orthogonalizes every matrix) or "split" (each a
+    # share, results all-gathered: fewer NS FLOPs for more bytes across replicas).
+    replicate_ns: str = "repeat"
     # Fused-weight splitting (optim/split.py, docs/splitting.md): pieces of a parameter that are
     # orthogonalized as separate matrices. One string, specs joined by "|" (the Python API also
     # takes a list), e.g. "pattern=layers.*.attention.wqkv.weight;sizes=512,128,128".
@@ -129,6 +138,8 @@ class Dion3Config:
         _check_choice("selection_dim", self.selection_dim, SELECTION_DIMS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("nonfinite", self.nonfinite, NONFINITE)
+        _check_choice("replicate_sync", self.replicate_sync, REPLICATE_SYNCS)
+        _check_choice("replicate_ns", self.replicate_ns, REPLICATE_NS)
         if not isinstance(self.ns_steps, int) or self.ns_steps < 1:
             raise ValueError(f"ns_steps={self.ns_steps!r}: must be an integer >= 1")
         self.ns_restarts = tuple(int(r) for r in self.ns_restarts)

@@ -16,7 +16,8 @@ from torch.optim.adamw import adamw
 from dion3_titan.dist.comm import CommStats
 from dion3_titan.dist.layout import describe, to_local, zeros_like_param
 from dion3_titan.dist.plan import PlanEntry, PlanSettings, ShapeGroup, build_groups
-from dion3_titan.kernels import select_backend
+from dion3_titan.dist.replicas import average_over_replicas
+from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim import engine
 from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
@@ -43,6 +44,8 @@ def plan_settings(cfg: Dion3Config) -> PlanSettings:
         ns_algorithm=cfg.ns_algorithm,
         ns_steps=cfg.ns_steps,
         ns_restarts=cfg.ns_restarts,
+        replicate_sync=cfg.replicate_sync,
+        replicate_ns=cfg.replicate_ns,
     )
 
 
@@ -79,10 +82,27 @@ class Dion3(torch.optim.Optimizer):
                             "orthogonalized: put it in an algorithm='adamw' group"
                         )
             self._configs.append(cfg)
+        self.replicate_sync = self._one_replicate_sync()
         self._build_plan()
+        self._check_replicas()
         self._init_state()
 
     # ----------------------------------------------------------------- construction
+    def _one_replicate_sync(self) -> str:
+        """``replicate_sync`` is the whole optimizer's (FSDP2 syncs gradients, or not, for
+        every parameter): every matrix group must name the same."""
+        syncs = {cfg.replicate_sync for cfg in self._configs if cfg is not None}
+        if len(syncs) > 1:
+            raise ValueError(f"replicate_sync: every matrix param group must use the same value, got {sorted(syncs)}")
+        return syncs.pop() if syncs else "gradients"
+
+    def _check_replicas(self) -> None:
+        if self.replicate_sync == "compressed" and not any(sg.replicas is not None for sg in self._groups):
+            raise ValueError(
+                "replicate_sync='compressed' needs matrices replicated over a mesh dim of size > 1 (HSDP: "
+                "data_parallel_replicate_degree > 1); these parameters have none: use replicate_sync='gradients'"
+            )
+
     def _names(self, group: dict) -> list[str]:
         names = group.get("names")
         return list(names) if names else [f"param{j}" for j in range(len(group["params"]))]
@@ -168,6 +188,16 @@ class Dion3(torch.optim.Optimizer):
     def param_names(self, group: dict) -> list[str]:
         return self._names(group)
 
+    def state_dict(self) -> dict:
+        """torch's state dict. Under compressed sync every replica first replaces its momentum
+        by the replicas' mean (a collective: every rank calls it, as checkpointing does): the
+        mean is unchanged, so nothing later changes, and the saved momentum is the one a
+        gradient-synced run would have, loadable at any replicate degree."""
+        if self.replicate_sync == "compressed":
+            momenta = {id(m.param): self.state[m.param]["momentum"] for sg in self._groups for m in sg.members}
+            average_over_replicas(list(momenta.values()))
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every floating state tensor to its parameter's dtype; NorMuon's second
         # moment must stay float32 (bf16 loses it, and the float32 scatter into it fails).
@@ -247,6 +277,9 @@ class Dion3(torch.optim.Optimizer):
         ``ok`` flag (optim/nonfinite.py). It never waits on the device, so the same code runs
         eagerly and inside a CUDA-graph capture."""
         self.nonfinite.check(self._named_grads(), self._device())
+        if self.replicate_sync == "compressed":  # AdamW's gradients as FSDP2 would have synced them
+            grads = [p.grad for g, c in zip(self.param_groups, self._configs) if c is None for p in g["params"]]
+            average_over_replicas([g for g in grads if g is not None], self.comm_stats)
         for gi, (group, cfg) in enumerate(zip(self.param_groups, self._configs)):
             if cfg is None:
                 self._adamw_step(gi, group)
@@ -265,15 +298,16 @@ class Dion3(torch.optim.Optimizer):
 
     def _step_group(self, sg: ShapeGroup, stats: RowStats | None) -> None:
         """Stages 2-8 of one shape group."""
-        g, stages, moves = self._group_step(sg), self._stages(sg), sg.exchange.moves_data
-        sel = self.selector.select(sg, g.cfg, g.momenta, None if stats is None else stats.l1)  # 2. select
+        g, stages, moves, replicas = self._group_step(sg), self._stages(sg), sg.moves_data, sg.replicas
+        agree = replicas.agree if replicas is not None and replicas.mean else None  # compressed sync
+        sel = self.selector.select(sg, g.cfg, g.momenta, None if stats is None else stats.l1, agree)  # 2. select
         tall = is_tall(sg, g.cfg)
         packed = stages.pack(g, sel, stats, moves, tall)  # 3. pack
         owned, owned_v = packed.x, packed.row_data
-        if moves:
-            owned, owned_v = sg.exchange.gather(owned, owned_v)  # 4. exchange: rows to their owners
+        if moves:  # 4. exchange: the rows to their owners
+            owned, owned_v = sg.exchange.gather(owned, owned_v)
         backend = select_backend(g.cfg.backend, tuple(owned.shape), g.cfg.compute_dtype, owned.device)
-        ortho = orthogonalize(owned, g.ns, backend, tall, packed.normalized)  # 5. orthogonalize
+        ortho = self._orthogonalize(g, owned, backend, tall, packed.normalized)  # 5. orthogonalize
         if ortho.shape[1] > sg.k and not moves:  # rows packed at the backend's Gram side
             ortho = ortho[:, : sg.k]
         # a non-finite NS result is never applied (optim/nonfinite.py)
@@ -286,6 +320,16 @@ class Dion3(torch.optim.Optimizer):
         factors = self._step_factors(sg.group_index)
         stages.update(g, sel, result, result_v, norm, factors, backend, void)  # 8. update
         self.observer.record(g, sel, result, norm, factors.lr, void)
+
+    def _orthogonalize(
+        self, g: GroupStep, owned: torch.Tensor, backend: Backend, tall: bool, normalized: bool
+    ) -> torch.Tensor:
+        """polar() of the owned batch. Across HSDP replicas each orthogonalizes its share (the
+        replicas' mean under compressed sync) and the results are joined on every replica."""
+        replicas = g.sg.replicas
+        x = owned if replicas is None else replicas.split(owned)
+        ortho = orthogonalize(x, g.ns, backend, tall, normalized) if x.shape[0] else x.to(g.ns.dtype)
+        return ortho if replicas is None else replicas.gather(ortho)
 
     def _group_step(self, sg: ShapeGroup) -> GroupStep:
         cfg = self._configs[sg.group_index]

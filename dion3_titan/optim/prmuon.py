@@ -52,8 +52,14 @@ STEP_KEY = "prmuon_step"
 # Defaults of shared keys that differ from Dion3's: the paper's NS5 (App. D.3).
 NS_DEFAULTS = {"ns_coefficients": "muon", "ns_steps": 5, "ns_safety_factor": 1.0, "ns_algorithm": "standard"}
 
-# Shared keys PRMuon pins: a refresh orthogonalizes every row, with no NorMuon normalization.
-FIXED = {"fraction": 1.0, "flavor": "muon"}
+# Shared keys PRMuon pins: a refresh orthogonalizes every row, with no NorMuon normalization,
+# and RowNorm steps read every row of the momentum, which compressed sync leaves unsynced.
+FIXED = {"fraction": 1.0, "flavor": "muon", "replicate_sync": "gradients"}
+_WHY_FIXED = {
+    "fraction": "refreshes orthogonalize every row",
+    "flavor": "refreshes are Muon's",
+    "replicate_sync": "RowNorm steps need every replica's whole momentum",
+}
 
 
 @dataclass
@@ -222,6 +228,5 @@ class PeriodicRowwiseMuon(Dion3):
 def _check_fixed(key: str, value, where: str) -> None:
     if value != FIXED[key]:
         raise ValueError(
-            f"{where}{key}={value!r}: PeriodicRowwiseMuon allows only {key}={FIXED[key]!r} "
-            "(refreshes orthogonalize every row, Muon flavor)"
+            f"{where}{key}={value!r}: PeriodicRowwiseMuon allows only {key}={FIXED[key]!r} ({_WHY_FIXED[key]})"
         )
