@@ -97,6 +97,19 @@ def param_digest(model_parts) -> dict[str, float]:
     return digest
 
 
+def local_hashes(model_parts) -> dict[str, str]:
+    """A hash of the bytes of each parameter's local shard on this rank (equal on two ranks
+    exactly when their shards are bit-identical: HSDP replicas of the same shard)."""
+    import hashlib
+
+    out = {}
+    for model in model_parts:
+        for name, p in model.named_parameters():
+            local = (p.to_local() if hasattr(p, "to_local") else p).detach().float().contiguous()
+            out[name] = hashlib.sha256(local.numpy().tobytes()).hexdigest()
+    return out
+
+
 def ensure_corpus() -> Path:
     """The small offline corpus + tokenizer at its default place (built once, ~6 s)."""
     from dion3_titan.data.build import DEFAULTS, build, default_out, is_built
@@ -174,6 +187,7 @@ def _inspecting_trainer() -> type:
         def train(self) -> None:
             super().train()
             self._record["param_digest"] = param_digest(self.model_parts)
+            self._record["local_hashes"] = local_hashes(self.model_parts)
             self._write()
 
         def _write(self) -> None:

@@ -18,6 +18,7 @@ from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from dion3_titan import compressed
 from dion3_titan.names import DION3_KEYS, NAMES, PRMUON_KEYS, resolve_options
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup
@@ -76,6 +77,8 @@ class Dion3OptimizersContainer(OptimizersContainer):
         # unset: build_param_groups' defaults (the matrix lr; no weight decay)
         adamw.update({k: v for k in ("adamw_lr", "adamw_weight_decay") if (v := getattr(cfg, k)) is not None})
         self.model_parts = model_parts
+        if options.get("replicate_sync") == "compressed":  # FSDP2 stops syncing across replicas
+            compressed.prepare(model_parts)
         self.optimizers = []
         all_params: list[nn.Parameter] = []
         for model in model_parts:

@@ -23,6 +23,8 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
+from dion3_titan import compressed
+from dion3_titan.dist.replicas import average_over_replicas
 from dion3_titan.names import NAMES, PRMUON_KEYS, resolve_options
 from dion3_titan.optim.cuda_graph import GraphedOptimizer
 from dion3_titan.optim.dion3 import Dion3
@@ -102,6 +104,9 @@ class Dion3Optimizers(OptimizersContainer):
             if pg.optimizer_name in OPTIMIZER_NAMES
         }
         self.optimizers, self.model_parts = [], model_parts
+        compressed_sync = any(opts.get("replicate_sync") == "compressed" for opts in options.values())
+        if compressed_sync:
+            compressed.prepare(model_parts)  # FSDP2 stops syncing gradients across replicas
         self._runners: list = []
         all_params: list[nn.Parameter] = []
         for part_idx, model in enumerate(model_parts):
@@ -125,6 +130,15 @@ class Dion3Optimizers(OptimizersContainer):
                 self._log_optimizer(opt, part_idx, patterns[name])
                 all_params += [p for g in built for p in g["params"]]
         self._validate_params(all_params)
+        # Under compressed sync FSDP2 no longer averages gradients across replicas; torchtitan's
+        # own optimizers (AdamW on embeddings, norms, lm_head) get them averaged before they step.
+        self._replica_averaged = [
+            p
+            for o in self.optimizers
+            if not isinstance(o, Dion3) and compressed_sync
+            for g in o.param_groups
+            for p in g["params"]
+        ]
         if config.implementation == "fused_opt_states_bf16":
             self._register_bf16_optimizer_state_hook()
         self._post_init(all_params)
@@ -179,6 +193,8 @@ class Dion3Optimizers(OptimizersContainer):
                 "[dion3] optimizer_metrics=True, but the job's metrics processor is not "
                 "Dion3MetricsProcessor: set metrics=Dion3MetricsProcessor.Config(...) to log them"
             )
+        if self._replica_averaged:
+            average_over_replicas([p.grad for p in self._replica_averaged if p.grad is not None])
         for runner in self._runners:
             if self._metrics is not None and id(runner) in self._metrics:
                 self._metrics[id(runner)].step(measure)

@@ -14,7 +14,7 @@ from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.trainer import Trainer
 
 from dion3_titan.titan03 import recipes
-from tests.titan_helpers import param_digest, plan_of
+from tests.titan_helpers import local_hashes, param_digest, plan_of
 
 
 class InspectingTrainer(Trainer):
@@ -79,6 +79,7 @@ class InspectingTrainer(Trainer):
     def train(self) -> None:
         super().train()
         self._record["param_digest"] = param_digest(self.model_parts)
+        self._record["local_hashes"] = local_hashes(self.model_parts)
         self._write()
 
     def _write(self) -> None:
@@ -117,6 +118,11 @@ def _with_dion3_kwargs(**kwargs: Any) -> InspectingTrainer.Config:
     return _inspecting(
         dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, param_groups=groups))
     )
+
+
+def llama3_debug_dion3_compressed() -> InspectingTrainer.Config:
+    """Compressed sync across HSDP replicas (the replicate degree is set on the command line)."""
+    return _with_dion3_kwargs(replicate_sync="compressed")
 
 
 def bad_fraction() -> InspectingTrainer.Config:
