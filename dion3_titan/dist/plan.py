@@ -128,6 +128,30 @@ def rows_to_select(fraction: float, rows: int) -> int:
     return min(rows, max(1, math.ceil(fraction * rows - 1e-9)))
 
 
+def block_k(fraction: float, scope: str, global_rows: int, max_rows: int) -> int:
+    """Rows every rank of a gather group contributes per matrix (zero-padded): k of the
+    group's largest shard ("local" scope), or the whole matrix's k capped by that shard
+    ("global")."""
+    if scope == "global":
+        return min(rows_to_select(fraction, global_rows), max_rows)
+    return rows_to_select(fraction, max_rows)
+
+
+def assign_owners(load: list[float], count: int, rows: int, cols: int, h: PlanSettings) -> list[int]:
+    """Owners of ``count`` matrices of one shape group, gathered at ``rows`` x ``cols``: each
+    goes to the least-loaded rank of the gather group (the lowest among equals). ``load``
+    (NS FLOPs per group rank) is shared by the shape groups of one process group, taken in
+    group order, and updated in place. Each matrix costs its NS FLOPs, symmetric products at
+    half cost."""
+    cost = ns_flops(rows, cols, h.ns_algorithm, h.ns_steps, h.ns_restarts, symmetric=True)
+    owners = []
+    for _ in range(count):
+        q = min(range(len(load)), key=lambda r: (load[r], r))
+        load[q] += cost
+        owners.append(q)
+    return owners
+
+
 def group_key(group_index: int, layout: MatrixLayout, dtype: torch.dtype) -> tuple:
     """Same full shape, dtype and sharding (hence the same local shape on a rank): one batch.
     Nothing rank-dependent enters the key, so every rank forms the same groups in the same order."""
@@ -246,19 +270,9 @@ def _plan_group(g: ShapeGroup, h: PlanSettings, stats: CommStats, loads: dict) -
     g.row_block, g.col_blocks = row_block[rank], max(col_block) + 1
     max_rows, g.cols = int(shapes[:, 0].max()), int(shapes[:, 1].max())
     g.global_k = rows_to_select(fraction, lay.global_rows)
-    if scope == "global":
-        g.k = min(g.global_k, max_rows)
-    else:
-        g.k = rows_to_select(fraction, max_rows)
-    # owners: greedy least-loaded rank of this gather group, in a rank-independent order
+    g.k = block_k(fraction, scope, lay.global_rows, max_rows)
     load = loads.setdefault(id(group), [0.0] * len(row_block))
-    # each owned matrix costs its NS FLOPs (symmetric products at half cost)
-    cost = ns_flops(n_rb * g.k, g.col_blocks * g.cols, h.ns_algorithm, h.ns_steps, h.ns_restarts, symmetric=True)
-    owners = []
-    for _ in range(g.batch):
-        q = min(range(len(load)), key=lambda r: (load[r], r))
-        load[q] += cost
-        owners.append(q)
+    owners = assign_owners(load, g.batch, n_rb * g.k, g.col_blocks * g.cols, h)
     g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, h.row_data, stats)
     if replicas and (compressed or h.replicate_ns == "split"):
         g.replicas = _replica_split(lay, replicas, g.exchange.n_own, compressed, stats)
