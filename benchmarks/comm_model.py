@@ -122,26 +122,31 @@ class _Recorder:
 
 
 def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: Sync, params: list[Param]) -> None:
-    mesh, (_, s) = rec.mesh, rec.mesh.coords(rec.rank)
+    mesh, (r, s) = rec.mesh, rec.mesh.coords(rec.rank)
     R = mesh.replicas
     res = result_dtype(cfg).itemsize
+    ns = cfg.compute_dtype.itemsize  # results cross replicas as Newton-Schulz returns them
     extra = 1 if FLAVORS[cfg.flavor].row_data else 0
     compressed = sync.mode == "compressed"
     for g in plans:
         k, n, rows = g.k[s], g.batch[s], g.layouts[s].local_rows
         mom = g.dtype.itemsize  # momentum rows travel in the momentum's (the parameter's) dtype
         every = every_row(g, s, cfg)
-        if compressed and not every:
+        if compressed and not every and cfg.selection == "l1":
             rec.ring("optimizer", "scores all-reduce", "replicate", all_reduce_bytes(n * rows, R, FP32))
-        if not g.sharded:
-            # whole on every shard rank: round-robin over the replicas (ReplicatedExchange), or
-            # all of them without replicas; compressed, the sharded rule with a shard group of one
-            share = -(-n // R)
-            numel = share * k * (g.cols[s] + extra)
+        if not g.sharded:  # whole on every shard rank
             if compressed:
-                rec.ring("optimizer", "momentum reduce-scatter", "replicate", reduce_scatter_bytes(numel, R, mom))
-            rec.ring("optimizer", "results all-gather", "replicate", all_gather_bytes(numel, R, res))
-            rec.step.ns_flops += share * _cost(k, g.cols[s], cfg)
+                _replica_split(rec, n, k * g.cols[s], r, mom, ns)
+                rec.step.ns_flops += _share(n, R, r) * _cost(k, g.cols[s], cfg)
+            else:  # round-robin over the replicas (ReplicatedExchange), results all-gathered
+                share = -(-n // R)
+                rec.ring(
+                    "optimizer",
+                    "results all-gather",
+                    "replicate",
+                    all_gather_bytes(share * k * (g.cols[s] + extra), R, res),
+                )
+                rec.step.ns_flops += (share if R > 1 else n) * _cost(k, g.cols[s], cfg)
             continue
         if not every and (g.n_cb > 1 or (cfg.selection_scope == "global" and g.n_rb > 1)):
             rec.ring(
@@ -150,17 +155,32 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
         block = k * (g.cols[s] + extra)
         counts = [g.owners.count(q) for q in range(mesh.shards)]
         rec.all_to_all("optimizer", "rows gather (all-to-all)", [counts[s] * block] * mesh.shards, mom)
-        own = -(-counts[s] // R) if sync.splits_ns else counts[s]
-        numel = own * g.n_rb * k * (g.n_cb * g.cols[s] + extra)  # the share's gathered matrices
-        if compressed:
-            rec.ring("optimizer", "momentum reduce-scatter", "replicate", reduce_scatter_bytes(numel, R, mom))
-        if sync.splits_ns:
-            rec.ring("optimizer", "results all-gather", "replicate", all_gather_bytes(numel, R, res))
+        own = counts[s]
+        per = g.n_rb * k * g.n_cb * g.cols[s]  # one gathered matrix
+        if sync.splits_ns and R > 1:
+            _replica_split(rec, own, per, r, mom if compressed else 0, ns)
+            own = _share(own, R, r)
         rec.all_to_all("optimizer", "results scatter (all-to-all)", [c * block for c in counts], res)
         rec.step.ns_flops += own * _cost(g.n_rb * k, g.n_cb * g.cols[s], cfg)
     if compressed:
         numel = sum(_local_numel(p, mesh, s) for p in params if not p.matrix)
         rec.ring("optimizer", "AdamW gradient all-reduce", "replicate", all_reduce_bytes(numel, R, FP32))
+
+
+def _share(n: int, replicas: int, r: int) -> int:
+    """Matrices replica ``r`` orthogonalizes of an owned batch of ``n`` (dist/replicas.py)."""
+    return (r + 1) * n // replicas - r * n // replicas
+
+
+def _replica_split(rec: _Recorder, n: int, per: int, r: int, mean_bytes: int, result_bytes: int) -> None:
+    """ReplicaSplit of an owned batch of ``n`` matrices of ``per`` elements: under compressed
+    sync (``mean_bytes`` > 0) every replica receives the others' copies of its share; then every
+    replica receives the others' shares of the results. Exact splits, no padding."""
+    R = rec.mesh.replicas
+    own = _share(n, R, r)
+    if mean_bytes:
+        rec.ring("optimizer", "momentum mean (all-to-all)", "replicate", (R - 1) * own * per * mean_bytes)
+    rec.ring("optimizer", "results all-gather (all-to-all)", "replicate", (n - own) * per * result_bytes)
 
 
 def _cost(rows: int, cols: int, cfg: Dion3Config) -> float:

@@ -75,9 +75,10 @@ def test_owners_balance_equal_matrices(seed):
 @pytest.mark.parametrize("flavor", ["muon", "normuon"])
 def test_compressed_hsdp_hand_counted(seed, flavor):
     """HSDP R x S, compressed: no gradient all-reduce; per shape group a score all-reduce of
-    the local rows (f < 1), the owner's gathered matrix reduce-scattered over the replicas as
-    a batch padded to R (each replica's share: one matrix, possibly padding) and its result
-    all-gathered; AdamW gradients all-reduced by the optimizer; NS once per share."""
+    the local rows (f < 1); the owner's gathered matrix split over the replicas with exact
+    counts (replica r orthogonalizes (r+1)n//R - rn//R of its n matrices: the others' copies of
+    its share come to it, and its results go to the others, in the NS dtype); AdamW gradients
+    all-reduced by the optimizer; NS once per share."""
     rng = random.Random(seed)
     (d_out, d_in), R, S = _shape(rng, 8), rng.randint(2, 4), rng.randint(2, 4)
     emb = _shape(rng)
@@ -85,19 +86,19 @@ def test_compressed_hsdp_hand_counted(seed, flavor):
     mesh = Mesh(R, S, S)
     steps = _steps(f"w={d_out}x{d_in},embed={emb[0]}x{emb[1]}", cfg, mesh, Sync("compressed"))
     k = max(1, math.ceil(0.25 * math.ceil(d_out / S) - 1e-9))
-    width, res = (d_in + 1, 4) if flavor == "normuon" else (d_in, 2)
     emb_local = [len(range(s * -(-emb[0] // S), min(emb[0], (s + 1) * -(-emb[0] // S)))) * emb[1] for s in range(S)]
     for rank, step in enumerate(steps):
-        s = rank % S
+        r, s = divmod(rank, S)
         rows = len(range(s * -(-d_out // S), min(d_out, (s + 1) * -(-d_out // S))))
-        owner = s == 0
+        n = 1 if s == 0 else 0  # the one matrix's owner is shard rank 0
+        share = (r + 1) * n // R - r * n // R
         assert _bytes(step, "grad all-reduce") == 0
         scored = k < rows  # every local row selected: no scores to agree on
         assert _bytes(step, "scores all-reduce") == (2 * (R - 1) * -(-rows // R) * 4 if scored else 0)
-        assert _bytes(step, "momentum reduce-scatter") == ((R - 1) * S * k * width * 4 if owner else 0)
-        assert _bytes(step, "results all-gather") == ((R - 1) * S * k * width * res if owner else 0)
+        assert _bytes(step, "momentum mean (all-to-all)") == (R - 1) * share * S * k * d_in * 4
+        assert _bytes(step, "results all-gather (all-to-all)") == (n - share) * S * k * d_in * 2
         assert _bytes(step, "AdamW gradient all-reduce") == 2 * (R - 1) * -(-emb_local[s] // R) * 4
-        want = ns_flops(S * k, d_in, "auto", 5, (2,), symmetric=True) if owner else 0.0
+        want = ns_flops(S * k, d_in, "auto", 5, (2,), symmetric=True) if share else 0.0
         assert step.ns_flops == pytest.approx(want)
         # gradients mode: the gradient shards' all-reduce instead, and no replicate traffic
         grad = _steps(f"w={d_out}x{d_in},embed={emb[0]}x{emb[1]}", cfg, mesh)[rank]
@@ -132,17 +133,20 @@ def test_hsdp_replicate_traffic_is_inter_node_and_shard_intra():
 
 
 def test_replicate_ns_split_shares_the_owner_batch():
-    """gradients + replicate_ns = split: each replica orthogonalizes ceil(N_own / R) of its
-    owner's matrices and all-gathers the results; the gradient all-reduce stays."""
+    """gradients + replicate_ns = split: replica r orthogonalizes (r+1)n//R - rn//R of its
+    owner's n matrices and receives the others' results (NS dtype); the gradient all-reduce
+    stays."""
     text = ",".join(f"w{i}={16}x{24}" for i in range(5))
     cfg, mesh = Dion3Config(fraction=1.0, flavor="normuon"), Mesh(2, 2, 2)
     repeat, split = _steps(text, cfg, mesh), _steps(text, cfg, mesh, Sync(replicate_ns="split"))
     cost = ns_flops(16, 24, "auto", 5, (2,), symmetric=True)
     for rank in range(4):
-        own = 3 if rank % 2 == 0 else 2
+        r, s = divmod(rank, 2)
+        own = 3 if s == 0 else 2
+        share = (r + 1) * own // 2 - r * own // 2
         assert repeat[rank].ns_flops == pytest.approx(own * cost)
-        assert split[rank].ns_flops == pytest.approx(-(-own // 2) * cost)
-        assert _bytes(split[rank], "results all-gather") == -(-own // 2) * 16 * 25 * 4
+        assert split[rank].ns_flops == pytest.approx(share * cost)
+        assert _bytes(split[rank], "results all-gather (all-to-all)") == (own - share) * 16 * 24 * 2
         assert _bytes(split[rank], "grad all-reduce") == _bytes(repeat[rank], "grad all-reduce") > 0
 
 
@@ -172,7 +176,7 @@ CONFIGS = [
 ]
 
 
-def _gloo_worker(rank, world, hsdp, out_path):
+def _gloo_worker(rank, world, hsdp, sync, out_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -189,7 +193,9 @@ def _gloo_worker(rank, world, hsdp, out_path):
             fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
         else:
             fully_shard(model)
-        opt = Dion3(build_param_groups(model.named_parameters()), backend="torch", split_specs=SPLIT, **options)
+        opt = Dion3(
+            build_param_groups(model.named_parameters()), backend="torch", split_specs=SPLIT, **options, **SYNCS[sync]
+        )
         params = list(model.parameters())
         for p, g in zip(params, random_grads(7, [p.shape for p in params], row_scale=True)):
             p.grad = distribute_tensor(g, p.device_mesh, p.placements)
@@ -199,18 +205,32 @@ def _gloo_worker(rank, world, hsdp, out_path):
     torch.save(got, f"{out_path}.{rank}")
 
 
-@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp4", "hsdp2x2"])
-def test_gradients_mode_bytes_equal_comm_stats(tmp_path, hsdp):
+SYNCS = {
+    "gradients": {},
+    "compressed": {"replicate_sync": "compressed"},
+    "split": {"replicate_ns": "split"},
+}
+
+
+@pytest.mark.parametrize(
+    "hsdp,sync",
+    [(False, "gradients"), (True, "gradients"), (True, "compressed"), (True, "split")],
+    ids=["fsdp4", "hsdp2x2", "hsdp2x2-compressed", "hsdp2x2-split"],
+)
+def test_bytes_equal_comm_stats(tmp_path, hsdp, sync):
     """The model's optimizer bytes per link equal comm_stats.by_link of one real step, on every
     rank: shard-group all-to-alls (uneven and empty shards, split pieces, a shared shape
     group), score all-gathers (global scope, column selection) and, under HSDP, the expert
-    stack's all-gather across replicas (it is whole on each shard rank)."""
+    stack's all-gather across replicas (it is whole on each shard rank); compressed sync and
+    replicate_ns = "split": the score all-reduces, the split of each owner's batch over the
+    replicas and the AdamW gradient all-reduce."""
     out = tmp_path / "stats"
-    spawn(4, _gloo_worker, hsdp, str(out))
+    spawn(4, _gloo_worker, hsdp, sync, str(out))
     mesh = Mesh(2, 2, 2) if hsdp else Mesh(1, 4, 4)
+    modes = {"gradients": Sync(), "compressed": Sync("compressed"), "split": Sync(replicate_ns="split")}
     for i, options in enumerate(CONFIGS):
         cfg = Dion3Config(split_specs=SPLIT, **options)
-        steps = model_step(routed_params(parse_shapes(SHAPES), cfg), cfg, mesh, Sync())
+        steps = model_step(routed_params(parse_shapes(SHAPES), cfg), cfg, mesh, modes[sync])
         for rank in range(4):
             calls, real = torch.load(f"{out}.{rank}")[i]
             want = {k: v for k, v in steps[rank].by_link().items() if v}
