@@ -42,11 +42,13 @@ def repo_env(**extra: str) -> dict[str, str]:
 
 
 def _entry(rank: int, world: int, port: int, fn, args, errors, backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if backend == "nccl":
-        import torch
+    import torch
 
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    # The ranks share the machine's cores: one thread each. (OMP_NUM_THREADS would come too late,
+    # torch is loaded by now; a rank's tiny ops run many times slower with its threads contending.)
+    torch.set_num_threads(1)
+    if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
@@ -76,3 +78,4 @@ def spawn(world: int, fn, *args, backend: str = "gloo") -> None:
     except Exception as exc:
         detail = errors.get() if not errors.empty() else ""
         raise AssertionError(f"distributed run failed:\n{detail}") from exc
+
