@@ -1,10 +1,12 @@
-"""Real processes for the tests: a function on N ranks joined by a gloo process group (CPU), and
-the torchrun command and environment of the tests that launch a script."""
+"""Real processes for the tests: a function on N ranks joined by a gloo process group (CPU),
+several such functions in turn on one set of ranks (one process start-up for all), and the
+torchrun command and environment of the tests that launch a script."""
 
 import os
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -79,3 +81,37 @@ def spawn(world: int, fn, *args, backend: str = "gloo") -> None:
         detail = errors.get() if not errors.empty() else ""
         raise AssertionError(f"distributed run failed:\n{detail}") from exc
 
+
+def _each(rank: int, world: int, jobs: list[tuple[str, Callable, tuple]], folder: str) -> None:
+    for name, fn, args in jobs:
+        try:
+            fn(rank, world, *args)
+        except BaseException as exc:
+            raise RuntimeError(f"check {name!r} failed on rank {rank}") from exc
+        dist.barrier()  # every rank is done with it: the next one's collectives start afresh
+        if rank == 0:
+            (Path(folder) / f"{name}.done").touch()
+
+
+def spawn_each(world: int, jobs: dict[str, tuple[Callable, tuple]], folder: Path) -> dict[str, str | None]:
+    """Run each job's ``fn(rank, world, *args)`` in turn on one set of ``world`` spawned gloo
+    ranks (for tests whose checks are cheap next to starting the processes). Returns, per job
+    name, None once every rank finished it, else why not: its own failure (named), or the
+    earlier job's failure that stopped the ranks before it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    failure = ""
+    try:
+        spawn(world, _each, [(name, fn, args) for name, (fn, args) in jobs.items()], str(folder))
+    except AssertionError as exc:
+        failure = str(exc)
+    status: dict[str, str | None] = {}
+    stopped_at = None
+    for name in jobs:
+        if (folder / f"{name}.done").exists():
+            status[name] = None
+        elif stopped_at is None:
+            stopped_at = name
+            status[name] = f"check {name!r} failed:\n{failure}"
+        else:
+            status[name] = f"check {name!r} did not run: the ranks stopped at {stopped_at!r}:\n{failure}"
+    return status
