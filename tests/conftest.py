@@ -1,5 +1,6 @@
 """Shared test setup.
 
+- One CPU thread per test process (below).
 - Tests marked ``gpu`` are skipped on machines without CUDA.
 - Random inputs: a test that draws fresh random inputs takes the ``seed`` fixture. One seed is
   drawn per session (from ``DION3_TEST_SEED`` when set, else from the OS), shown in the report
@@ -23,6 +24,12 @@ def _session_seed() -> int:
             raise pytest.UsageError(f"{SEED_ENV}={given!r}: must be an integer") from None
     return int.from_bytes(os.urandom(4), "little")
 
+
+# Test processes share the machine's cores (pytest-xdist's workers, the spawned ranks, the tests'
+# child processes): one thread each unless OMP_NUM_THREADS says otherwise. Tiny tensor ops run
+# many times slower with threads of several processes contending for the same cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 SESSION_SEED = _session_seed()
 # pytest-xdist's workers and the tests' own subprocesses inherit it: one seed for the session

@@ -33,7 +33,6 @@ def _run(megabatch, fraction, flavor, scope):
 
 
 def _worker(rank, world, out_path):
-    torch.set_num_threads(1)
     results = [{mb: _run(mb, *cfg) for mb in (True, False)} for cfg in CONFIGS]
     if rank == 0:
         torch.save(results, out_path)

@@ -3,10 +3,12 @@ parameter's name (no hang); "skip" leaves every parameter and every optimizer st
 (matrices and AdamW) bit-identical and the next step trains normally. Eager steps, and the
 step body a CUDA graph captures (its flag read at the next step)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.spawn import spawn
+from tests.spawn import spawn_each
 from tests.test_dist_fsdp import SHAPES, Bag, grads_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -111,11 +113,23 @@ def _worker(rank, world, mode, path, out_path):
     )
 
 
-@pytest.mark.parametrize("path", ["eager", "deferred"])
-@pytest.mark.parametrize("mode", ["raise", "skip"])
-def test_nan_gradient_on_one_rank(tmp_path, mode, path):
-    out = str(tmp_path / "r")
-    spawn(2, _worker, mode, path, out)
+MODES, PATHS = ["raise", "skip"], ["eager", "deferred"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, str | None]]:
+    """Every mode x path in turn on one pair of ranks (their start-up is most of the cost)."""
+    folder = tmp_path_factory.mktemp("nonfinite")
+    jobs = {f"{m}-{p}": (_worker, (m, p, str(folder / f"{m}-{p}"))) for m in MODES for p in PATHS}
+    return folder, spawn_each(2, jobs, folder)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_gradient_on_one_rank(runs, mode, path):
+    folder, status = runs
+    assert status[f"{mode}-{path}"] is None, status[f"{mode}-{path}"]
+    out = str(folder / f"{mode}-{path}")
     for rank in range(2):
         r = torch.load(f"{out}.{rank}")
         if mode == "raise":

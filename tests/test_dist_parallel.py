@@ -3,12 +3,14 @@ expert weights, and EP = 2 under FSDP2 as torchtitan applies it (the experts _St
 their expert dim, or FSDP on their rows), on 4 gloo ranks, equals the single-process textbook
 update fed the same gradients (global scope; f = 1 is scope-free)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
 
 from tests.dist_reference import TextbookDion3, dion3_like_textbook
-from tests.spawn import spawn
+from tests.spawn import spawn_each
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -169,15 +171,34 @@ def _ep_fsdp_rows_worker(rank, world, cfg, out):
     _ep_fsdp(rank, world, cfg, out, fsdp_dim=1)
 
 
-@pytest.mark.parametrize(
-    "worker",
-    [_hsdp_worker, _tp_worker, _ep_worker, _ep_fsdp_experts_worker, _ep_fsdp_rows_worker],
-    ids=["hsdp", "fsdp_tp", "ep", "ep_fsdp_strided", "ep_fsdp_rows"],
-)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["f1-muon", "f0.25-normuon-global"])
-def test_parallel_layouts_match_single_process(tmp_path, worker, cfg):
-    out = tmp_path / "r.pt"
-    spawn(4, worker, cfg, str(out))
-    r = torch.load(out)
+WORKERS = {
+    "hsdp": _hsdp_worker,
+    "fsdp_tp": _tp_worker,
+    "ep": _ep_worker,
+    "ep_fsdp_strided": _ep_fsdp_experts_worker,
+    "ep_fsdp_rows": _ep_fsdp_rows_worker,
+}
+CFG_IDS = ["f1-muon", "f0.25-normuon-global"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, str | None]]:
+    """Every layout x config in turn on one set of 4 ranks (their start-up is most of the cost)."""
+    folder = tmp_path_factory.mktemp("parallel")
+    jobs = {
+        f"{cfg_id}-{layout}": (worker, (cfg, str(folder / f"{cfg_id}-{layout}.pt")))
+        for layout, worker in WORKERS.items()
+        for cfg, cfg_id in zip(CONFIGS, CFG_IDS)
+    }
+    return folder, spawn_each(4, jobs, folder)
+
+
+@pytest.mark.parametrize("layout", list(WORKERS))
+@pytest.mark.parametrize("cfg_id", CFG_IDS)
+def test_parallel_layouts_match_single_process(runs, layout, cfg_id):
+    folder, status = runs
+    name = f"{cfg_id}-{layout}"
+    assert status[name] is None, status[name]
+    r = torch.load(folder / f"{name}.pt")
     for i, (a, b) in enumerate(zip(r["got"], r["want"])):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (i, (a - b).abs().max())

@@ -132,7 +132,6 @@ def _no_megabatch(fraction, flavor, scope):
 
 
 def _worker(rank, world, out_path):
-    torch.set_num_threads(1)
     results = {
         "replicated": [_replicated(0.25, "normuon"), _replicated(1.0, "muon")],
         "tp": [_tensor_parallel(0.25, "muon"), _tensor_parallel(0.25, "normuon")],

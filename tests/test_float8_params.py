@@ -78,5 +78,8 @@ def test_float8_wrapped_weights_through_the_triton_update() -> None:
 
 
 if __name__ == "__main__":
+    from tests.interpret import patch_language_once
+
+    patch_language_once()
     compare("normuon", "triton")
     print("ok triton")

@@ -316,5 +316,8 @@ def test_cute_module_imports_without_a_gpu() -> None:
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (the pytest tests do)")
+    from tests.interpret import patch_language_once
+
+    patch_language_once()
     for result in _run_checks(int(sys.argv[1])):
         print(json.dumps(result))

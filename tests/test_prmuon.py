@@ -230,7 +230,6 @@ FSDP_SHAPES = [(6, 10), (12, 5), (7, 7), (3, 9, 4), (16, 4)]  # (12, 5), (16, 4)
 def _fsdp_worker(rank: int, world: int, w0: list, out_dir: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    torch.set_num_threads(1)  # the ranks share the test machine's cores
     # 1. rownorm_shards on FSDP-style row blocks of W. Oriented (rows = the smaller dim), a wide
     # W keeps whole rows; a tall W's oriented rows are split across the ranks.
     xs, splits = [], []
@@ -317,7 +316,6 @@ def _placements(code: str) -> list:
 def _mesh2d_worker(rank: int, world: int, w0: list, out_dir: str) -> None:
     from torch.distributed.tensor import distribute_tensor, init_device_mesh
 
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     codes = [c for _, c in MESH2D_CASES]
     params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, _placements(c))) for w, c in zip(w0, codes)]

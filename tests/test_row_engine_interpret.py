@@ -619,6 +619,9 @@ def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (the pytest tests do)")
+    from tests.interpret import patch_language_once
+
+    patch_language_once()
     seed = int(sys.argv[1])
     for result in _run_checks(seed):
         print(json.dumps({**result, "seed": seed}))
@@ -629,8 +632,10 @@ def _fsdp_worker(rank, world, configs, out_path):
     import torch
 
     from dion3_titan.optim import engine
+    from tests.interpret import patch_language_once
     from tests.test_dist_fsdp import _run
 
+    patch_language_once()
     assert engine.runs_on("triton", torch.zeros(1)), "the ranks must run the engine (TRITON_INTERPRET=1)"
     results = [_run(world, *c) for c in configs]
     if rank == 0:

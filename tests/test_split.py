@@ -187,7 +187,6 @@ DIST_CONFIGS = [(1.0, "muon"), (0.25, "normuon")]  # gloo on CPU is slow: the tw
 
 
 def _worker(rank, world, out_path):
-    torch.set_num_threads(1)  # tiny matrices: threads only contend across the ranks
     results = [run_pair(f, flavor, "fsdp", n_layers=1) for f, flavor in DIST_CONFIGS]
     if world == 4:  # FSDP x TP: pieces cut by two mesh dims (strided rows) or rows x columns
         results.append(run_pair(0.25, "normuon", "2d", n_layers=1))

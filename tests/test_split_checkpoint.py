@@ -56,7 +56,6 @@ def _finish(model, params, opt, rank, out):
 
 
 def _save_worker(rank, world, ckpt, out):
-    torch.set_num_threads(1)
     model, params, opt = _build()
     for step in range(SAVE_AT):
         _step(model, params, opt, step)
@@ -66,7 +65,6 @@ def _save_worker(rank, world, ckpt, out):
 
 
 def _load_worker(rank, world, ckpt, out):
-    torch.set_num_threads(1)
     model, params, opt = _build()
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}

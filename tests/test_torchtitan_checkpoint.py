@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.titan_helpers import CONFIGS, ensure_corpus, run_titan
+from tests.titan_helpers import CONFIGS, ensure_corpus, run_titan, run_titans
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,11 +30,18 @@ CKPT = (
 
 def test_resume_at_step_2_matches_uninterrupted_run(tmp_path: Path) -> None:
     ensure_corpus()
-    full = run_titan(LLAMA, tmp_path / "full", "--training.steps", "4", *COMMON)
+    resumed_dir = tmp_path / "resumed"
+    # the uninterrupted run and the stopped one in turn in one launch; the resumed run (below)
+    # is a fresh launch, so that all it knows of the stopped run is the checkpoint
+    launch = run_titans(
+        {
+            "full": (LLAMA, tmp_path / "full", ("--training.steps", "4", *COMMON)),
+            "first": (LLAMA, resumed_dir, ("--training.steps", "2", *COMMON, *CKPT)),
+        }
+    )
+    full, first = launch["full"], launch["first"]
     assert full.returncode == 0, full.output[-4000:]
 
-    resumed_dir = tmp_path / "resumed"
-    first = run_titan(LLAMA, resumed_dir, "--training.steps", "2", *COMMON, *CKPT)
     assert first.returncode == 0, first.output[-4000:]
     assert (resumed_dir / "checkpoint" / "step-2").is_dir()
     assert first.losses() == {s: full.losses()[s] for s in (1, 2)}

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.titan_helpers import CONFIGS, run_titan
+from tests.titan_helpers import CONFIGS, run_titans
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -21,21 +21,19 @@ def _metrics(output: str) -> dict[int, dict[str, float]]:
 
 
 def test_optimizer_metrics_logged(tmp_path):
+    args = ("--training.steps", "4", "--metrics.log_freq", "2", "--validation.no-enable")
+    launch = run_titans(
+        {
+            fraction: (
+                CONFIGS / "llama3_debug_dion3.toml",
+                tmp_path / fraction,
+                (*args, "--optimizer.fraction", fraction, "--optimizer.optimizer_metrics", "True"),
+            )
+            for fraction in ("0.25", "1.0")
+        }
+    )  # both in turn in one launch
     runs = {}
-    for fraction in ("0.25", "1.0"):
-        run = run_titan(
-            CONFIGS / "llama3_debug_dion3.toml",
-            tmp_path / fraction,
-            "--training.steps",
-            "4",
-            "--metrics.log_freq",
-            "2",
-            "--validation.no-enable",
-            "--optimizer.fraction",
-            fraction,
-            "--optimizer.optimizer_metrics",
-            "True",
-        )
+    for fraction, run in launch.items():
         assert run.returncode == 0, run.output[-3000:]
         runs[fraction] = _metrics(run.output)
     quarter, full = runs["0.25"], runs["1.0"]

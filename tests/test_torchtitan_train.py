@@ -1,13 +1,14 @@
-"""Real torchtitan training with the dion3 plugin: torchrun, 2 gloo ranks on CPU, FSDP2."""
+"""Real torchtitan training with the dion3 plugin: torchrun, 2 gloo ranks on CPU, FSDP2. The
+llama3 and deepseek runs train in turn in one launch (`runs`); gpt_oss, the largest, in its own."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.titan_helpers import CONFIGS, ensure_corpus, run_titan
+from tests.titan_helpers import CONFIGS, TitanRun, ensure_corpus, run_titan, run_titans
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LLAMA = CONFIGS / "llama3_debug_dion3.toml"
 LLAMA_MUON = CONFIGS / "llama3_debug_muon.toml"
@@ -24,13 +25,31 @@ def corpus() -> Path:
     return ensure_corpus()
 
 
+# name -> (config, overrides) of the runs that share one launch
+RUNS = {
+    "llama3": (LLAMA, ("--training.steps", "20")),
+    "deepseek_v3": (DEEPSEEK, ("--training.steps", "3")),
+    **{
+        name: (LLAMA_MUON, ("--training.steps", "3", "--optimizer.name", name))
+        for name in ("muon", "normuon", "prmuon")
+    },
+    "adamw": (LLAMA, ("--training.steps", "3", "--optimizer.name", "AdamW", "--optimizer.lr", "3e-3")),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, TitanRun]:
+    folder = tmp_path_factory.mktemp("train")
+    return run_titans({name: (config, folder / name, args) for name, (config, args) in RUNS.items()})
+
+
 def _groups(record: dict) -> dict[str, dict]:
     (part,) = record["optimizers"]["parts"]  # no pipeline parallelism: one model part
     return {g["algorithm"]: g for g in part["groups"]}
 
 
-def test_llama3_dion3_trains_and_routes_params(tmp_path: Path) -> None:
-    run = run_titan(LLAMA, tmp_path, "--training.steps", "20")
+def test_llama3_dion3_trains_and_routes_params(runs: dict[str, TitanRun]) -> None:
+    run = runs["llama3"]
     assert run.returncode == 0, run.output[-4000:]
     losses = run.losses()
     assert sorted(losses) == list(range(1, 21))
@@ -51,8 +70,8 @@ def test_llama3_dion3_trains_and_routes_params(tmp_path: Path) -> None:
         assert g["adamw"]["lr"] != g["dion3"]["lr"]  # adamw_lr is its own key
 
 
-def test_deepseek_v3_moe_dion3_trains_experts_as_matrix_batches(tmp_path: Path) -> None:
-    run = run_titan(DEEPSEEK, tmp_path, "--training.steps", "3")
+def test_deepseek_v3_moe_dion3_trains_experts_as_matrix_batches(runs: dict[str, TitanRun]) -> None:
+    run = runs["deepseek_v3"]
     assert run.returncode == 0, run.output[-4000:]
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[2] < losses[1], losses
@@ -75,9 +94,9 @@ def test_deepseek_v3_moe_dion3_trains_experts_as_matrix_batches(tmp_path: Path) 
     "name, flavor, optimizer",
     [("muon", "muon", "Dion3"), ("normuon", "normuon", "Dion3"), ("prmuon", "muon", "PeriodicRowwiseMuon")],
 )
-def test_muon_normuon_prmuon_names(tmp_path: Path, name: str, flavor: str, optimizer: str) -> None:
+def test_muon_normuon_prmuon_names(runs: dict[str, TitanRun], name: str, flavor: str, optimizer: str) -> None:
     # the Muon baseline config sets neither fraction nor flavor: the name decides both
-    run = run_titan(LLAMA_MUON, tmp_path, "--training.steps", "3", "--optimizer.name", name)
+    run = runs[name]
     assert run.returncode == 0, run.output[-4000:]
     (part,) = run.records[0]["optimizers"]["parts"]
     assert part["class"] == optimizer
@@ -88,8 +107,8 @@ def test_muon_normuon_prmuon_names(tmp_path: Path, name: str, flavor: str, optim
     assert losses[3] < losses[2] < losses[1] and losses[3] < losses[1] - 0.15, losses
 
 
-def test_adamw_is_untouched(tmp_path: Path) -> None:
-    run = run_titan(LLAMA, tmp_path, "--training.steps", "3", "--optimizer.name", "AdamW", "--optimizer.lr", "3e-3")
+def test_adamw_is_untouched(runs: dict[str, TitanRun]) -> None:
+    run = runs["adamw"]
     assert run.returncode == 0, run.output[-4000:]
     record = run.records[0]["optimizers"]
     assert record["container"] == "OptimizersContainer"  # torchtitan's own

@@ -3,12 +3,14 @@
 Run as a script under torchrun, this file is `dion3_titan.train` with a Trainer subclass that
 records, without changing training, what the tests assert on: each logged step's exact loss,
 the built optimizers' param groups and hooks, and a digest of the final parameters. Records go
-to `<dump_folder>/inspect/rank<r>.json`.
+to `<dump_folder>/inspect/rank<r>.json`. With `--runs <file>` it trains several jobs in turn in
+one launch (`run_titans`): starting torchrun and its ranks costs more than a short run itself.
 """
 
 import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,17 +76,64 @@ def run_titan(
 def torchrun_inspected(target: list[str], dump_folder: Path, nproc: int, timeout: float) -> TitanRun:
     """torchrun `nproc` ranks of `target` (a script, or `-m module`, with its arguments) on gloo;
     the ranks' records are read back from `dump_folder`/inspect."""
+    proc = _torchrun(target, nproc, timeout)
+    return TitanRun(proc.returncode, proc.stdout + proc.stderr, _records(dump_folder, nproc))
+
+
+def run_titans(
+    runs: dict[str, tuple[str | Path, Path, tuple[str, ...]]], nproc: int = 2, timeout: float = 900
+) -> dict[str, TitanRun]:
+    """Independent trainings in turn in one torchrun launch of `nproc` ranks: name -> (config,
+    dump_folder, overrides), as `run_titan` takes them. Each run gets its own console output and
+    records. A failing run ends the launch; the runs after it report that they did not run.
+    (Not for a run that resumes another's checkpoint: that must be a fresh process.)"""
+    spec = [
+        {"name": name, "args": ["--job.config_file", str(config), "--job.dump_folder", str(folder), *overrides]}
+        for name, (config, folder, overrides) in runs.items()
+    ]
+    spec_file = next(iter(runs.values()))[1].parent / f"runs-{'-'.join(runs)}.json"
+    spec_file.parent.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(json.dumps(spec))
+    proc = _torchrun([str(Path(__file__).resolve()), "--runs", str(spec_file)], nproc, timeout)
+    out, err = _by_run(proc.stdout), _by_run(proc.stderr)
+    results, stopped = {}, None
+    for name, (_, folder, _) in runs.items():
+        output = out.get(name, "") + err.get(name, "")
+        if f"{RUN_MARK} done {name}\n" in proc.stdout:
+            results[name] = TitanRun(0, output, _records(folder, nproc))
+        elif stopped is None and name in out:
+            stopped = name  # the run that failed: its output ends with torchrun's report
+            results[name] = TitanRun(proc.returncode or 1, output, _records(folder, nproc))
+        else:
+            why = f"run {name!r} did not run: the launch stopped in run {stopped!r}:\n"
+            results[name] = TitanRun(1, why + (results[stopped].output if stopped else proc.stdout + proc.stderr), [])
+    return results
+
+
+RUN_MARK = "@@ titan run"  # rank 0's console line at each run's start and end (run_titans)
+
+
+def _by_run(text: str) -> dict[str, str]:
+    """A launch's console text cut at each run's start line: name -> that run's part."""
+    parts = re.split(rf"^{RUN_MARK} start (\S+)\n", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def _torchrun(target: list[str], nproc: int, timeout: float) -> subprocess.CompletedProcess:
     env = repo_env()
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on a 2-core CI machine
-    proc = subprocess.run(
+    return subprocess.run(
         torchrun(nproc, *target, rank0_logs=True), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def _records(dump_folder: Path, nproc: int) -> list[dict[str, Any]]:
     records = []
     for r in range(nproc):
         path = dump_folder / "inspect" / f"rank{r}.json"
         if path.exists():
             records.append(json.loads(path.read_text()))
-    return TitanRun(proc.returncode, proc.stdout + proc.stderr, records)
+    return records
 
 
 def param_digest(model_parts) -> dict[str, float]:
@@ -199,7 +248,46 @@ def _inspecting_trainer() -> type:
     return InspectingTrainer
 
 
-if __name__ == "__main__":
+def _run_each(spec_file: str) -> None:
+    """Every run of `spec_file` in turn (`run_titans`), each through `dion3_titan.train.main` as
+    a launch of its own would run it, on one process group: torchtitan builds its trainer on
+    the group it finds; its teardown of the group is held back until the last run is done."""
+    import gc
+    import os
+
+    import torch.distributed as dist
+
     from dion3_titan.train import main
 
-    main(_inspecting_trainer())
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    trainer = _inspecting_trainer()
+    rank0 = os.environ.get("RANK", "0") == "0"
+
+    def mark(line: str) -> None:
+        if rank0:
+            for stream in (sys.stdout, sys.stderr):
+                print(f"{RUN_MARK} {line}", file=stream, flush=True)
+
+    from torchtitan.config import ConfigManager
+
+    for run in json.loads(Path(spec_file).read_text()):
+        mark(f"start {run['name']}")
+        sys.argv[1:] = run["args"]
+        # torchtitan's main parses parse_args's default: sys.argv[1:] as it was at import
+        ConfigManager.parse_args.__defaults__ = (run["args"],)
+        main(trainer)
+        gc.collect()  # the finished run's model and optimizer, before the next run builds its own
+        mark(f"done {run['name']}")
+    dist.destroy_process_group = destroy
+    if dist.is_initialized():
+        destroy()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--runs"]:
+        _run_each(sys.argv[2])
+    else:
+        from dion3_titan.train import main
+
+        main(_inspecting_trainer())
