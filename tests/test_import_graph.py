@@ -111,5 +111,6 @@ def test_adapters_are_parallel():
         "optimizer_metrics.py",
         "cpu_shims.py",
         "train.py",
+        "compressed.py",
         "job_config.py",
     }, sorted(top)
