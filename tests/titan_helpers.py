@@ -151,10 +151,13 @@ def local_hashes(model_parts) -> dict[str, str]:
     exactly when their shards are bit-identical: HSDP replicas of the same shard)."""
     import hashlib
 
+    from dion3_titan.dist.layout import to_local
+
     out = {}
     for model in model_parts:
         for name, p in model.named_parameters():
-            local = (p.to_local() if hasattr(p, "to_local") else p).detach().float().contiguous()
+            # the plain tensor behind a DTensor shard or a wrapper (float8 training weights)
+            local = to_local(p.detach()).float().contiguous()
             out[name] = hashlib.sha256(local.numpy().tobytes()).hexdigest()
     return out
 
