@@ -19,16 +19,15 @@ check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 import triton
 import triton.language as tl
 
+from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.row_engine import row_slots, update_rows
+from dion3_titan.kernels.tma import aligned, launch_or_none, num_sms, rows_stacked
 from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
@@ -170,16 +169,27 @@ def _sym_gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_SMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent form of ``_sym_gemm_kernel`` for n % BLOCK == 0 and k % BLOCK_K == 0: one
     program per SM walks the lower tiles of every matrix; operands come in by TMA from 2D views
     that stack the batch along rows, so a tile never straddles two matrices. ``A_T``/``B_T``:
-    the operand's unit stride is its row dim, and the descriptor holds its transpose."""
+    the operand's unit stride is its row dim, and the descriptor holds its transpose.
+
+    ``FLATTEN`` fuses the tile and k loops into one software pipeline, so the next tile's first
+    loads are in flight while this tile's epilogue runs. That needs an epilogue without
+    branches: every tile is stored twice, at (i, j) and transposed at (j, i); a diagonal tile
+    is symmetrized first, so its two stores write the same values to the same place. The
+    epilogue's tile is recomputed from its own counter, which keeps the loads' indices free of
+    the epilogue's."""
     side = n // BLOCK
     per_matrix = side * (side + 1) // 2
     k_tiles = k // BLOCK_K
-    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS):
+    r = tl.arange(0, BLOCK)
+    lower = r[:, None] >= r[None, :]
+    done = tl.program_id(0) - NUM_SMS  # the epilogue's tile counter
+    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS, flatten=FLATTEN):
         batch = tile // per_matrix
         ti, tj = _lower_tile(tile % per_matrix, side, GROUP)
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
@@ -196,18 +206,21 @@ def _sym_gemm_tma_kernel(
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
+        done += NUM_SMS
+        batch_c = done // per_matrix
+        ci, cj = _lower_tile(done % per_matrix, side, GROUP)
         if HAS_C:
-            c = c_desc.load([batch * n + ti * BLOCK, tj * BLOCK]).to(tl.float32)
+            c = c_desc.load([batch_c * n + ci * BLOCK, cj * BLOCK]).to(tl.float32)
             acc = alpha * acc + beta * c
         else:
             acc = alpha * acc
         res = round_to(acc, out_desc.dtype, INTERPRET)
-        if ti == tj:  # see _sym_gemm_kernel
-            r = tl.arange(0, BLOCK)
-            res = tl.where(r[:, None] >= r[None, :], res, tl.trans(res))
-        out_desc.store([batch * n + ti * BLOCK, tj * BLOCK], res)
-        if ti != tj:
-            out_desc.store([batch * n + tj * BLOCK, ti * BLOCK], tl.trans(res))
+        if ci == cj:  # see _sym_gemm_kernel
+            res = tl.where(lower, res, tl.trans(res))
+        out_desc.store([batch_c * n + ci * BLOCK, cj * BLOCK], res)
+        # the transpose is a register relabeling into the store buffer; a symmetrized
+        # diagonal tile is its own transpose, so its second store rewrites the same values
+        out_desc.store([batch_c * n + cj * BLOCK, ci * BLOCK], tl.trans(res))
 
 
 @triton.jit
@@ -258,19 +271,8 @@ def sym_gemm(
     ``out`` (L, n, n) receives the result (tests pass a NaN-filled one to see every element written).
     """
     L, n, k = _check_sym_operands(a, b)
-    if config is None and TMA_CONFIG is not None and a.is_cuda and not _TMA_BROKEN and _tma_pays(a, n):
-        try:
-            done = sym_gemm_tma(a, b, c, alpha, beta, out=out)
-        except Exception as e:  # a Triton that cannot build it: the per-tile kernel computes the same
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            _TMA_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
-            warnings.warn(
-                f"dion3_titan: persistent TMA symmetric GEMM unavailable ({_TMA_BROKEN[0]}); "
-                "using the per-tile Triton kernel",
-                stacklevel=2,
-            )
-            done = None
+    if config is None and TMA_CONFIG is not None and a.is_cuda and _tma_pays(a, n):
+        done = launch_or_none("sym_gemm_tma", lambda: sym_gemm_tma(a, b, c, alpha, beta, out=out))
         if done is not None:
             return done
     if not _offsets_fit(n, k):
@@ -320,36 +322,17 @@ def sym_gemm(
 
 # Persistent TMA form, same fields as SYM_CONFIG (the fastest config tried); None turns it off.
 TMA_CONFIG: tuple[int, int, int, int, int] | None = (128, 64, 8, 8, 4)
+# One software pipeline over tiles and k (see _sym_gemm_tma_kernel); measured in benchmarks.md.
+TMA_FLATTEN = True
 # The persistent kernel pays off only once every SM has several tiles to walk; below that the
 # per-tile kernel is faster. Measurements of both: docs/benchmarks.md, "Symmetric GEMM vs cuBLAS".
 TMA_MIN_TILES_PER_SM = 8
-_TMA_BROKEN: list[str] = []  # set when this Triton cannot compile the TMA kernel
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (persistent kernels launch one program per
-    SM); 4 for a CPU tensor under the interpreter."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_pays(a: torch.Tensor, n: int) -> bool:
     L, block = a.shape[0], TMA_CONFIG[0]
     side = triton.cdiv(n, block)
     return L * side * (side + 1) // 2 >= TMA_MIN_TILES_PER_SM * num_sms(a.device)
-
-
-def _rows_stacked(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-    """(L, r, c) -> a 2D view with unit last stride that stacks the batch along rows: (L*r, c)
-    of t itself (False) or (L*c, r) of its transpose (True); None when t is neither."""
-    L, r, c = t.shape
-    if t.is_contiguous():
-        return t.view(L * r, c), False
-    if t.mT.is_contiguous():
-        return t.mT.reshape(L * c, r), True
-    return None
 
 
 def sym_gemm_tma(
@@ -360,16 +343,18 @@ def sym_gemm_tma(
     beta: float = 0.0,
     config: tuple[int, int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
+    flatten: bool | None = None,
 ) -> torch.Tensor | None:
     """``sym_gemm`` through the persistent TMA kernel, or None when the operands do not fit it
     (n % BLOCK, k % BLOCK_K, an operand without a unit-stride dim, a non-contiguous C or out,
-    misaligned storage): the caller then uses the general kernel."""
+    misaligned storage): the caller then uses the general kernel. ``flatten`` overrides
+    ``TMA_FLATTEN`` (benchmarks)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     L, n, k = _check_sym_operands(a, b)
     block, block_k, group, num_warps, num_stages = config or TMA_CONFIG
     has_c = c is not None and beta != 0.0
-    sa, sb = _rows_stacked(a), _rows_stacked(b)
+    sa, sb = rows_stacked(a), rows_stacked(b)
     if (
         L == 0
         or n == 0
@@ -380,7 +365,7 @@ def sym_gemm_tma(
         or sb is None
         or (out is not None and not out.is_contiguous())
         or (has_c and (c.shape != (L, n, n) or not c.is_contiguous()))
-        or any(t.data_ptr() % 16 for t in [a, b] + ([c] if has_c else []) + ([out] if out is not None else []))
+        or not aligned(a, b, c if has_c else None, out)
     ):
         return None
     if out is None:
@@ -388,8 +373,7 @@ def sym_gemm_tma(
     (a2, a_t), (b2, b_t) = sa, sb
     a_block = [block_k, block] if a_t else [block, block_k]
     b_block = [block, block_k] if b_t else [block_k, block]
-    out2 = out.view(L * n, n)
-    out_desc = TensorDescriptor.from_tensor(out2, [block, block])
+    out_desc = TensorDescriptor.from_tensor(out.view(L * n, n), [block, block])
     c_desc = TensorDescriptor.from_tensor(c.view(L * n, n), [block, block]) if has_c else out_desc
     sms = num_sms(a.device)
     side = n // block
@@ -411,6 +395,7 @@ def sym_gemm_tma(
         BLOCK_K=block_k,
         GROUP=group,
         NUM_SMS=sms,
+        FLATTEN=TMA_FLATTEN if flatten is None else flatten,
         INTERPRET=interpreting(),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -435,8 +420,9 @@ def fused_update(
 
 
 class TritonOps(TorchOps):
-    """Symmetric products and the fused update in Triton; general products (and dtypes the
-    kernels do not take) through the torch backend."""
+    """Symmetric products, the fused update and (where MM_CONFIG / MM_ADD_CONFIG switch it on)
+    general products in Triton; the rest (and dtypes the kernels do not take) through the torch
+    backend."""
 
     name = "triton"
 
@@ -445,6 +431,21 @@ class TritonOps(TorchOps):
         # block (docs/benchmarks.md, "Padding the Gram side")
         block = TMA_CONFIG[0] if TMA_CONFIG is not None else 1
         return n if n <= block else triton.cdiv(n, block) * block
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = self._mm(a, b, None, 1.0, 0.0, triton_mm.MM_CONFIG)
+        return out if out is not None else super().mm(a, b)
+
+    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+        out = self._mm(a, b, c, alpha, beta, triton_mm.MM_ADD_CONFIG)
+        return out if out is not None else super().mm_add(a, b, c, alpha, beta)
+
+    def _mm(self, a, b, c, alpha, beta, config) -> torch.Tensor | None:
+        """The persistent TMA GEMM where it is switched on (config) and the operands fit it;
+        None sends the product to cuBLAS."""
+        if config is None or not self._runs(a) or not (a.is_cuda or interpreting()):
+            return None
+        return launch_or_none(f"mm_tma{config}", lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config))
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not self._runs(a):

@@ -1,0 +1,59 @@
+"""Host side of the persistent TMA kernels (triton_ops.py, triton_mm.py): how a batched operand
+is described to the copy engine, the grid size, and the one-time fallback when a Triton
+version cannot build a kernel."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import torch
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent kernels launch one program per
+    SM); 4 for a CPU tensor under the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def rows_stacked(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """(L, r, c) -> a 2D view with unit last stride that stacks the batch along rows: (L*r, c)
+    of t itself (False) or (L*c, r) of its transpose (True); None when t is neither. A tile of
+    such a view never straddles two matrices when its rows divide r (or c)."""
+    L, r, c = t.shape
+    if t.is_contiguous():
+        return t.view(L * r, c), False
+    if t.mT.is_contiguous():
+        return t.mT.reshape(L * c, r), True
+    return None
+
+
+def aligned(*tensors: torch.Tensor | None) -> bool:
+    """TMA's rule for the base address: 16 bytes (None entries are skipped)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
+
+
+_BROKEN: dict[str, str] = {}  # kernel name -> why this Triton could not build or run it
+
+
+def launch_or_none(name: str, launch: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    """``launch()``, or None once it has failed (a Triton that cannot build kernel ``name``):
+    the caller then computes the same with its general path. Warns once per kernel; inside a
+    CUDA-graph capture the error is raised, since a failed capture cannot fall back."""
+    if name in _BROKEN:
+        return None
+    try:
+        return launch()
+    except Exception as e:
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        _BROKEN[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        warnings.warn(
+            f"dion3_titan: persistent TMA kernel {name} unavailable ({_BROKEN[name]}); using the general path",
+            stacklevel=3,
+        )
+        return None
