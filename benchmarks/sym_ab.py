@@ -5,8 +5,7 @@ TMA GEMM (kernels/triton_mm.py) against cuBLAS, in one run.
     python scripts/bench_sym_ab.py --baseline /tmp/base_triton_ops.py [--shapes 4x8192,16x2816x4096] \
         [--gemm 32x2048x2048x2048+c,16x2816x2816x4096] [--reps 5]
 
-``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, then the persistent TMA kernel (the
-current revision also with its software pipeline over tiles off, ``flatten=False``), the
+``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, then the persistent TMA kernel, the
 per-tile kernel and the TMA kernel with C (alpha*AB + beta*C, square shapes only), baseline and
 current interleaved, each timed ``reps`` times with ``triton.testing.do_bench``; the median of
 those runs is reported. Both revisions' results are checked for exact symmetry and equal lower
@@ -31,12 +30,11 @@ from benchmarks.timing import do_bench_ms
 from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels import triton_ops as current
 
-GEMM_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
-    (128, 128, 64, 8, 8, 4),
-    (128, 128, 64, 8, 8, 5),
-    (128, 256, 64, 8, 8, 3),
-    (128, 256, 64, 8, 8, 2),
-    (256, 128, 64, 8, 8, 3),
+GEMM_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages, FLATTEN)
+    (128, 128, 64, 8, 8, 5, True),
+    (128, 256, 64, 8, 8, 3, True),
+    (128, 256, 64, 8, 8, 3, False),
+    (128, 256, 64, 4, 8, 3, True),
 ]
 
 
@@ -62,7 +60,7 @@ def sym_rows(base, shapes: list[str], reps: int) -> list[dict]:
         x = torch.randn(L, n, k, device="cuda", dtype=torch.float16, generator=gen) / k**0.5
         c = torch.randn(L, n, n, device="cuda", dtype=torch.float16, generator=gen)
         c = (c + c.mT) / 2
-        want = current.sym_gemm_tma(x, x.mT, flatten=False)
+        want = current.sym_gemm_tma(x, x.mT)
         for name, mod in [("baseline", base), ("current", current)]:
             y = mod.sym_gemm_tma(x, x.mT)
             print(
@@ -77,7 +75,6 @@ def sym_rows(base, shapes: list[str], reps: int) -> list[dict]:
             kernels.append(("tma_addmm", lambda m: m.sym_gemm_tma(x, x.mT, c, 0.5, -1.5)))
         for label, fn in kernels:
             cases += [(label, "baseline", fn), (label, "current", fn)]
-        cases.append(("tma_no_flatten", "current", lambda m: m.sym_gemm_tma(x, x.mT, flatten=False)))
         side = triton.cdiv(n, 128)
         sym_flop = 2 * L * k * n * n * (side + 1) / (2 * side)
         for label, rev, fn in cases:

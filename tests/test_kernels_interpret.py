@@ -112,29 +112,15 @@ def _run_checks(seed: int) -> list[dict]:
                             "dtype_ok": out.dtype == dtype,
                         }
                     )
-    # the same kernel without its software pipeline over tiles (TMA_FLATTEN off) computes the same
-    x = torch.randn(2, 48, 32).half()
-    ref = torch.bmm(x.double(), x.mT.double())
-    out = torch.full((2, 48, 48), float("nan"), dtype=torch.half)
-    triton_ops.sym_gemm_tma(x, x.mT, config=tma_config, out=out, flatten=False)
-    results.append(
-        {
-            "check": "sym_gemm",
-            "case": "tma,no_flatten,L=2,n=48,k=32",
-            "err": rel(out, ref),
-            "torch_err": rel(torch.bmm(x, x.mT), ref),
-            "finite": bool(torch.isfinite(out).all()),
-            "symmetric": bool(torch.equal(out, out.mT)),
-            "dtype_ok": out.dtype == torch.half,
-        }
-    )
-
     # the persistent GEMM alpha * A @ B + beta * C (triton_mm), blocks of unequal sides, every
     # operand in either memory order, into a poisoned output
     from dion3_titan.kernels import triton_mm
 
-    mm_config = (16, 32, 16, 2, 4, 2)
-    for L, M, K, N in [(2, 32, 48, 64), (1, 16, 16, 32)]:
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages, FLATTEN)
+    for L, M, K, N, mm_config in [
+        (2, 32, 48, 64, (16, 32, 16, 2, 4, 2, True)),
+        (1, 16, 16, 32, (16, 16, 16, 2, 4, 2, False)),
+    ]:
         for dtype in (torch.float16, torch.bfloat16):
             a, b, c = (torch.randn(*s).to(dtype) for s in [(L, M, K), (L, K, N), (L, M, N)])
             for layout in ("rows", "cols"):
@@ -149,7 +135,7 @@ def _run_checks(seed: int) -> list[dict]:
                     results.append(
                         {
                             "check": "mm_tma",
-                            "case": f"L={L},M={M},K={K},N={N},{dtype},{layout},c={with_c}",
+                            "case": f"L={L},M={M},K={K},N={N},{dtype},{layout},c={with_c},{mm_config}",
                             "ran": done is out,
                             "err": rel(out, ref),
                             "torch_err": rel(theirs, ref),

@@ -1,16 +1,17 @@
 """Persistent TMA GEMM with a fused epilogue: out = alpha * (A @ B) + beta * C, batched.
 
 Newton-Schulz's non-symmetric products are X <- a X + B X (standard NS) and Q X (Gram NS). The
-a X term stays out of the product (the a_t I of App. B.2.3 would lose its small neighbours to
-fp16 rounding inside B): it is added to the fp32 accumulator here, from a C tile loaded by TMA,
-instead of in a second pass or a cuBLAS epilogue that re-reads C on its own schedule.
+a X term stays out of the product (folding a_t I into B would round B's small diagonal entries
+at the magnitude of a_t in fp16, App. B.2.3): it is added to the fp32 accumulator here, from C
+read straight into the accumulator's registers, instead of in a second pass.
 
 One program per SM walks the output tiles of every matrix, GROUP tile rows at a time
-(column by column inside a band, so programs running together share B panels in L2). The
-tile and k loops form one software pipeline (``tl.range(flatten=True)``): the next tile's
-loads are in flight while this tile's epilogue runs. Operands are 2D views that stack the
+(column by column inside a band, so programs running together share B panels in L2). With
+FLATTEN the tile and k loops form one software pipeline (``tl.range(flatten=True)``): the next
+tile's loads are in flight while this tile's epilogue runs. A and B are 2D views that stack the
 batch along rows (tma.rows_stacked), so every dimension must be a multiple of its block;
-``mm_tma`` returns None otherwise and the caller uses cuBLAS.
+``mm_tma`` returns None otherwise and the caller uses cuBLAS. Against cuBLAS:
+docs/benchmarks.md, "Fused GEMM + a X".
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.tma import aligned, num_sms, rows_stacked
 
-Config = tuple[int, int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
+Config = tuple[int, int, int, int, int, int, bool]  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages, FLATTEN)
 # What the Triton backend runs A @ B (MM_CONFIG) and alpha A @ B + beta C (MM_ADD_CONFIG) with;
 # None leaves that product to cuBLAS. Chosen from measurements: docs/benchmarks.md.
 MM_CONFIG: Config | None = None
-MM_ADD_CONFIG: Config | None = (128, 128, 64, 8, 8, 4)
-DEFAULT_CONFIG: Config = (128, 128, 64, 8, 8, 4)  # of a direct mm_tma call
+MM_ADD_CONFIG: Config | None = None
+DEFAULT_CONFIG: Config = (128, 256, 64, 8, 8, 3, True)  # of a direct mm_tma call
 
 
 @triton.jit
@@ -47,18 +48,21 @@ def _band_tile(t, tiles_m, tiles_n, GROUP: tl.constexpr):
 def _mm_tma_kernel(
     a_desc,
     b_desc,
-    c_desc,
+    c_ptr,
     out_desc,
     M,
     N,
     K,
     L,
+    s_cb,
+    s_cm,
+    s_cn,
     alpha,
     beta,
     A_T: tl.constexpr,
     B_T: tl.constexpr,
-    C_T: tl.constexpr,
     HAS_C: tl.constexpr,
+    FLATTEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -66,15 +70,17 @@ def _mm_tma_kernel(
     NUM_SMS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """``A_T``/``B_T``/``C_T``: that operand's unit stride is its row dim and its descriptor
-    holds the transpose. The epilogue's tile comes from its own counter (see
-    triton_ops._sym_gemm_tma_kernel)."""
+    """``A_T``/``B_T``: that operand's unit stride is its row dim and its descriptor holds the
+    transpose. C is read with plain loads straight into the accumulator's registers (any
+    strides): a TMA tile of C would need shared memory beside the pipeline's stages and the
+    output tile, which the 128 x 256 tile does not leave. The epilogue's tile comes from its
+    own counter, which keeps the loads' indices free of the epilogue's."""
     tiles_m = M // BLOCK_M
     tiles_n = N // BLOCK_N
     per_matrix = tiles_m * tiles_n
     k_tiles = K // BLOCK_K
     done = tl.program_id(0) - NUM_SMS
-    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS, flatten=FLATTEN):
         batch = tile // per_matrix
         ti, tj = _band_tile(tile % per_matrix, tiles_m, tiles_n, GROUP)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -95,11 +101,10 @@ def _mm_tma_kernel(
         batch_c = done // per_matrix
         ci, cj = _band_tile(done % per_matrix, tiles_m, tiles_n, GROUP)
         if HAS_C:  # torch.baddbmm's order: alpha * (a @ b) + beta * c, in float32
-            if C_T:
-                c = c_desc.load([batch_c * N + cj * BLOCK_N, ci * BLOCK_M]).T
-            else:
-                c = c_desc.load([batch_c * M + ci * BLOCK_M, cj * BLOCK_N])
-            acc = alpha * acc + beta * c.to(tl.float32)
+            rows = ci * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = cj * BLOCK_N + tl.arange(0, BLOCK_N)
+            c_tile = c_ptr + batch_c.to(tl.int64) * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
+            acc = alpha * acc + beta * tl.load(c_tile).to(tl.float32)
         else:
             acc = alpha * acc
         out_desc.store([batch_c * M + ci * BLOCK_M, cj * BLOCK_N], round_to(acc, out_desc.dtype, INTERPRET))
@@ -116,17 +121,17 @@ def mm_tma(
 ) -> torch.Tensor | None:
     """alpha * (a @ b) + beta * c for (L, M, K) @ (L, K, N), fp16/bf16, into a new contiguous
     (L, M, N) tensor (or ``out``); None when the operands do not fit the kernel (a dimension
-    off its block, an operand without a unit stride, mixed dtypes, misaligned storage)."""
+    off its block, A or B without a unit stride, mixed dtypes, misaligned storage; C may have any
+    strides, each matrix under 2^31 elements)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    block_m, block_n, block_k, group, num_warps, num_stages = config or DEFAULT_CONFIG
+    block_m, block_n, block_k, group, num_warps, num_stages, flatten = config or DEFAULT_CONFIG
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"mm expects (L, M, K) @ (L, K, N); got {tuple(a.shape)} @ {tuple(b.shape)}")
     L, M, K = a.shape
     N = b.shape[2]
     has_c = c is not None and beta != 0.0
     sa, sb = rows_stacked(a), rows_stacked(b)
-    sc = rows_stacked(c) if has_c else None
     if (
         a.dtype not in (torch.float16, torch.bfloat16)
         or b.dtype != a.dtype
@@ -136,7 +141,7 @@ def mm_tma(
         or K % block_k
         or sa is None
         or sb is None
-        or (has_c and (sc is None or c.shape != (L, M, N) or c.dtype != a.dtype))
+        or (has_c and (c.shape != (L, M, N) or c.dtype != a.dtype or M * N >= 2**31))
         or (out is not None and not out.is_contiguous())
         or not aligned(a, b, c if has_c else None, out)
     ):
@@ -145,27 +150,25 @@ def mm_tma(
         out = torch.empty((L, M, N), dtype=a.dtype, device=a.device)
     (a2, a_t), (b2, b_t) = sa, sb
     out_desc = TensorDescriptor.from_tensor(out.view(L * M, N), [block_m, block_n])
-    c_desc, c_t = out_desc, False
-    if has_c:
-        c2, c_t = sc
-        c_desc = TensorDescriptor.from_tensor(c2, [block_n, block_m] if c_t else [block_m, block_n])
+    c_arg, c_strides = (c, c.stride()) if has_c else (out, (0, 0, 0))  # C is never read without has_c
     sms = num_sms(a.device)
     grid = (min(sms, L * (M // block_m) * (N // block_n)),)
     _mm_tma_kernel[grid](
         TensorDescriptor.from_tensor(a2, [block_k, block_m] if a_t else [block_m, block_k]),
         TensorDescriptor.from_tensor(b2, [block_n, block_k] if b_t else [block_k, block_n]),
-        c_desc,
+        c_arg,
         out_desc,
         M,
         N,
         K,
         L,
+        *c_strides,
         float(alpha),
         float(beta),
         A_T=a_t,
         B_T=b_t,
-        C_T=c_t,
         HAS_C=has_c,
+        FLATTEN=flatten,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

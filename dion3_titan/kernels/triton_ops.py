@@ -14,7 +14,8 @@ also get ``- lr * update``; float32 math and one rounding to the weight's dtype,
 kernel is the row engine's (row_engine.update_rows, without momentum).
 
 Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (that is how the CPU tests
-check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
+check the kernels' logic). ``mm``/``mm_add`` are cuBLAS products unless triton_mm's switches send
+them to its persistent GEMM.
 """
 
 from __future__ import annotations
@@ -169,27 +170,16 @@ def _sym_gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_SMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent form of ``_sym_gemm_kernel`` for n % BLOCK == 0 and k % BLOCK_K == 0: one
     program per SM walks the lower tiles of every matrix; operands come in by TMA from 2D views
     that stack the batch along rows, so a tile never straddles two matrices. ``A_T``/``B_T``:
-    the operand's unit stride is its row dim, and the descriptor holds its transpose.
-
-    ``FLATTEN`` fuses the tile and k loops into one software pipeline, so the next tile's first
-    loads are in flight while this tile's epilogue runs. That needs an epilogue without
-    branches: every tile is stored twice, at (i, j) and transposed at (j, i); a diagonal tile
-    is symmetrized first, so its two stores write the same values to the same place. The
-    epilogue's tile is recomputed from its own counter, which keeps the loads' indices free of
-    the epilogue's."""
+    the operand's unit stride is its row dim, and the descriptor holds its transpose."""
     side = n // BLOCK
     per_matrix = side * (side + 1) // 2
     k_tiles = k // BLOCK_K
-    r = tl.arange(0, BLOCK)
-    lower = r[:, None] >= r[None, :]
-    done = tl.program_id(0) - NUM_SMS  # the epilogue's tile counter
-    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS):
         batch = tile // per_matrix
         ti, tj = _lower_tile(tile % per_matrix, side, GROUP)
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
@@ -206,21 +196,18 @@ def _sym_gemm_tma_kernel(
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
-        done += NUM_SMS
-        batch_c = done // per_matrix
-        ci, cj = _lower_tile(done % per_matrix, side, GROUP)
         if HAS_C:
-            c = c_desc.load([batch_c * n + ci * BLOCK, cj * BLOCK]).to(tl.float32)
+            c = c_desc.load([batch * n + ti * BLOCK, tj * BLOCK]).to(tl.float32)
             acc = alpha * acc + beta * c
         else:
             acc = alpha * acc
         res = round_to(acc, out_desc.dtype, INTERPRET)
-        if ci == cj:  # see _sym_gemm_kernel
-            res = tl.where(lower, res, tl.trans(res))
-        out_desc.store([batch_c * n + ci * BLOCK, cj * BLOCK], res)
-        # the transpose is a register relabeling into the store buffer; a symmetrized
-        # diagonal tile is its own transpose, so its second store rewrites the same values
-        out_desc.store([batch_c * n + cj * BLOCK, ci * BLOCK], tl.trans(res))
+        if ti == tj:  # see _sym_gemm_kernel
+            r = tl.arange(0, BLOCK)
+            res = tl.where(r[:, None] >= r[None, :], res, tl.trans(res))
+        out_desc.store([batch * n + ti * BLOCK, tj * BLOCK], res)
+        if ti != tj:
+            out_desc.store([batch * n + tj * BLOCK, ti * BLOCK], tl.trans(res))
 
 
 @triton.jit
@@ -322,8 +309,6 @@ def sym_gemm(
 
 # Persistent TMA form, same fields as SYM_CONFIG (the fastest config tried); None turns it off.
 TMA_CONFIG: tuple[int, int, int, int, int] | None = (128, 64, 8, 8, 4)
-# One software pipeline over tiles and k (see _sym_gemm_tma_kernel); measured in benchmarks.md.
-TMA_FLATTEN = True
 # The persistent kernel pays off only once every SM has several tiles to walk; below that the
 # per-tile kernel is faster. Measurements of both: docs/benchmarks.md, "Symmetric GEMM vs cuBLAS".
 TMA_MIN_TILES_PER_SM = 8
@@ -343,12 +328,10 @@ def sym_gemm_tma(
     beta: float = 0.0,
     config: tuple[int, int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
-    flatten: bool | None = None,
 ) -> torch.Tensor | None:
     """``sym_gemm`` through the persistent TMA kernel, or None when the operands do not fit it
     (n % BLOCK, k % BLOCK_K, an operand without a unit-stride dim, a non-contiguous C or out,
-    misaligned storage): the caller then uses the general kernel. ``flatten`` overrides
-    ``TMA_FLATTEN`` (benchmarks)."""
+    misaligned storage): the caller then uses the general kernel."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     L, n, k = _check_sym_operands(a, b)
@@ -395,7 +378,6 @@ def sym_gemm_tma(
         BLOCK_K=block_k,
         GROUP=group,
         NUM_SMS=sms,
-        FLATTEN=TMA_FLATTEN if flatten is None else flatten,
         INTERPRET=interpreting(),
         num_warps=num_warps,
         num_stages=num_stages,
