@@ -38,7 +38,7 @@ from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
 
 SHAPES = "32x2048x7168,1x7168x18432,4x4096x11008,8x4096x4096,24x1024x4096,4x1024x11008"
 # The kernel switches --variants turns, each against the module defaults: (module, name, value).
-_WIDE = (128, 256, 64, 8, 8, 3, True)  # triton_mm's config that measured fastest
+_WIDE = triton_mm.DEFAULT_CONFIG  # the config that measured fastest
 VARIANTS = {
     "triton_mm_add": [(triton_mm, "MM_ADD_CONFIG", _WIDE)],
     "triton_mm": [(triton_mm, "MM_CONFIG", _WIDE)],

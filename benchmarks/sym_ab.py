@@ -30,11 +30,10 @@ from benchmarks.timing import do_bench_ms
 from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels import triton_ops as current
 
-GEMM_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages, FLATTEN)
-    (128, 128, 64, 8, 8, 5, True),
-    (128, 256, 64, 8, 8, 3, True),
-    (128, 256, 64, 8, 8, 3, False),
-    (128, 256, 64, 4, 8, 3, True),
+GEMM_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
+    (128, 128, 64, 8, 8, 5),
+    (128, 256, 64, 8, 8, 3),
+    (128, 256, 64, 4, 8, 3),
 ]
 
 

@@ -116,10 +116,10 @@ def _run_checks(seed: int) -> list[dict]:
     # operand in either memory order, into a poisoned output
     from dion3_titan.kernels import triton_mm
 
-    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages, FLATTEN)
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages)
     for L, M, K, N, mm_config in [
-        (2, 32, 48, 64, (16, 32, 16, 2, 4, 2, True)),
-        (1, 16, 16, 32, (16, 16, 16, 2, 4, 2, False)),
+        (2, 32, 48, 64, (16, 32, 16, 2, 4, 2)),
+        (1, 16, 16, 32, (16, 16, 16, 1, 4, 2)),
     ]:
         for dtype in (torch.float16, torch.bfloat16):
             a, b, c = (torch.randn(*s).to(dtype) for s in [(L, M, K), (L, K, N), (L, M, N)])

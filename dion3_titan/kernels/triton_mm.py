@@ -6,12 +6,10 @@ at the magnitude of a_t in fp16, App. B.2.3): it is added to the fp32 accumulato
 read straight into the accumulator's registers, instead of in a second pass.
 
 One program per SM walks the output tiles of every matrix, GROUP tile rows at a time
-(column by column inside a band, so programs running together share B panels in L2). With
-FLATTEN the tile and k loops form one software pipeline (``tl.range(flatten=True)``): the next
-tile's loads are in flight while this tile's epilogue runs. A and B are 2D views that stack the
-batch along rows (tma.rows_stacked), so every dimension must be a multiple of its block;
-``mm_tma`` returns None otherwise and the caller uses cuBLAS. Against cuBLAS:
-docs/benchmarks.md, "Fused GEMM + a X".
+(column by column inside a band, so programs running together share B panels in L2). A and B
+come in by TMA from 2D views that stack the batch along rows (tma.rows_stacked), so every
+dimension must be a multiple of its block; ``mm_tma`` returns None otherwise and the caller uses
+cuBLAS. Against cuBLAS: docs/benchmarks.md, "Fused GEMM + a X" (it is switched off by default).
 """
 
 from __future__ import annotations
@@ -24,12 +22,12 @@ from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.tma import aligned, num_sms, rows_stacked
 
-Config = tuple[int, int, int, int, int, int, bool]  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages, FLATTEN)
+Config = tuple[int, int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
 # What the Triton backend runs A @ B (MM_CONFIG) and alpha A @ B + beta C (MM_ADD_CONFIG) with;
 # None leaves that product to cuBLAS. Chosen from measurements: docs/benchmarks.md.
 MM_CONFIG: Config | None = None
 MM_ADD_CONFIG: Config | None = None
-DEFAULT_CONFIG: Config = (128, 256, 64, 8, 8, 3, True)  # of a direct mm_tma call
+DEFAULT_CONFIG: Config = (128, 256, 64, 8, 8, 3)  # of a direct mm_tma call: the fastest measured
 
 
 @triton.jit
@@ -62,7 +60,6 @@ def _mm_tma_kernel(
     A_T: tl.constexpr,
     B_T: tl.constexpr,
     HAS_C: tl.constexpr,
-    FLATTEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -73,14 +70,12 @@ def _mm_tma_kernel(
     """``A_T``/``B_T``: that operand's unit stride is its row dim and its descriptor holds the
     transpose. C is read with plain loads straight into the accumulator's registers (any
     strides): a TMA tile of C would need shared memory beside the pipeline's stages and the
-    output tile, which the 128 x 256 tile does not leave. The epilogue's tile comes from its
-    own counter, which keeps the loads' indices free of the epilogue's."""
+    output tile, which the 128 x 256 tile does not leave."""
     tiles_m = M // BLOCK_M
     tiles_n = N // BLOCK_N
     per_matrix = tiles_m * tiles_n
     k_tiles = K // BLOCK_K
-    done = tl.program_id(0) - NUM_SMS
-    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS):
         batch = tile // per_matrix
         ti, tj = _band_tile(tile % per_matrix, tiles_m, tiles_n, GROUP)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,17 +92,14 @@ def _mm_tma_kernel(
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
-        done += NUM_SMS
-        batch_c = done // per_matrix
-        ci, cj = _band_tile(done % per_matrix, tiles_m, tiles_n, GROUP)
         if HAS_C:  # torch.baddbmm's order: alpha * (a @ b) + beta * c, in float32
-            rows = ci * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = cj * BLOCK_N + tl.arange(0, BLOCK_N)
-            c_tile = c_ptr + batch_c.to(tl.int64) * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
+            rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = tj * BLOCK_N + tl.arange(0, BLOCK_N)
+            c_tile = c_ptr + batch.to(tl.int64) * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
             acc = alpha * acc + beta * tl.load(c_tile).to(tl.float32)
         else:
             acc = alpha * acc
-        out_desc.store([batch_c * M + ci * BLOCK_M, cj * BLOCK_N], round_to(acc, out_desc.dtype, INTERPRET))
+        out_desc.store([batch * M + ti * BLOCK_M, tj * BLOCK_N], round_to(acc, out_desc.dtype, INTERPRET))
 
 
 def mm_tma(
@@ -125,7 +117,7 @@ def mm_tma(
     strides, each matrix under 2^31 elements)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    block_m, block_n, block_k, group, num_warps, num_stages, flatten = config or DEFAULT_CONFIG
+    block_m, block_n, block_k, group, num_warps, num_stages = config or DEFAULT_CONFIG
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"mm expects (L, M, K) @ (L, K, N); got {tuple(a.shape)} @ {tuple(b.shape)}")
     L, M, K = a.shape
@@ -168,7 +160,6 @@ def mm_tma(
         A_T=a_t,
         B_T=b_t,
         HAS_C=has_c,
-        FLATTEN=flatten,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -427,7 +427,9 @@ class TritonOps(TorchOps):
         None sends the product to cuBLAS."""
         if config is None or not self._runs(a) or not (a.is_cuda or interpreting()):
             return None
-        return launch_or_none(f"mm_tma{config}", lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config))
+        # one fallback record per compiled variant: a config may fit shared memory without C only
+        name = f"mm_tma{config}{'+c' if c is not None else ''}"
+        return launch_or_none(name, lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config))
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not self._runs(a):
