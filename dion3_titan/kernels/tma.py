@@ -1,6 +1,6 @@
-"""Host side of the persistent TMA kernels (triton_ops.py, triton_mm.py): how a batched operand
-is described to the copy engine, the grid size, and the one-time fallback when a Triton
-version cannot build a kernel."""
+"""What the persistent TMA kernels (triton_ops.py, triton_mm.py) share: how a batched operand
+is described to the copy engine, one k-step of their product, the grid size, and the one-time
+fallback when a Triton version cannot build a kernel."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 
 @functools.cache
@@ -30,6 +32,43 @@ def rows_stacked(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     if t.mT.is_contiguous():
         return t.mT.reshape(L * c, r), True
     return None
+
+
+@triton.jit
+def mma_step(
+    acc,
+    a_desc,
+    b_desc,
+    batch,
+    ti,
+    tj,
+    kk,
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """acc + (k-slice kk of A's tile row ti) @ (k-slice kk of B's tile column tj) for matrix
+    ``batch`` of (L, M, K) @ (L, K, N), both operands from ``rows_stacked`` views: ``A_T``/``B_T``
+    say the descriptor holds the operand's transpose, whose tile is loaded and transposed."""
+    if A_T:
+        a = a_desc.load([batch * K + kk * BLOCK_K, ti * BLOCK_M]).T
+    else:
+        a = a_desc.load([batch * M + ti * BLOCK_M, kk * BLOCK_K])
+    if B_T:
+        b = b_desc.load([batch * N + tj * BLOCK_N, kk * BLOCK_K]).T
+    else:
+        b = b_desc.load([batch * K + kk * BLOCK_K, tj * BLOCK_N])
+    if INTERPRET:  # the interpreter's bf16 dot multiplies the raw bits; fp32 products of the
+        # exactly upcast inputs give the same fp32-accumulated result
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
 
 
 def aligned(*tensors: torch.Tensor | None) -> bool:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
-from dion3_titan.kernels.tma import aligned, num_sms, rows_stacked
+from dion3_titan.kernels.tma import aligned, mma_step, num_sms, rows_stacked
 
 Config = tuple[int, int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
 # What the Triton backend runs A @ B (MM_CONFIG) and alpha A @ B + beta C (MM_ADD_CONFIG) with;
@@ -80,18 +80,9 @@ def _mm_tma_kernel(
         ti, tj = _band_tile(tile % per_matrix, tiles_m, tiles_n, GROUP)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
-            if A_T:
-                a = a_desc.load([batch * K + kk * BLOCK_K, ti * BLOCK_M]).T
-            else:
-                a = a_desc.load([batch * M + ti * BLOCK_M, kk * BLOCK_K])
-            if B_T:
-                b = b_desc.load([batch * N + tj * BLOCK_N, kk * BLOCK_K]).T
-            else:
-                b = b_desc.load([batch * K + kk * BLOCK_K, tj * BLOCK_N])
-            if INTERPRET:  # the interpreter's bf16 dot multiplies raw bits (triton_ops)
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = mma_step(
+                acc, a_desc, b_desc, batch, ti, tj, kk, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, A_T, B_T, INTERPRET
+            )
         if HAS_C:  # torch.baddbmm's order: alpha * (a @ b) + beta * c, in float32
             rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = tj * BLOCK_N + tl.arange(0, BLOCK_N)

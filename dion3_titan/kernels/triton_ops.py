@@ -28,7 +28,7 @@ from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.row_engine import row_slots, update_rows
-from dion3_titan.kernels.tma import aligned, launch_or_none, num_sms, rows_stacked
+from dion3_titan.kernels.tma import aligned, launch_or_none, mma_step, num_sms, rows_stacked
 from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
@@ -184,18 +184,7 @@ def _sym_gemm_tma_kernel(
         ti, tj = _lower_tile(tile % per_matrix, side, GROUP)
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for kk in range(k_tiles):
-            if A_T:
-                a = a_desc.load([batch * k + kk * BLOCK_K, ti * BLOCK]).T
-            else:
-                a = a_desc.load([batch * n + ti * BLOCK, kk * BLOCK_K])
-            if B_T:
-                b = b_desc.load([batch * n + tj * BLOCK, kk * BLOCK_K]).T
-            else:
-                b = b_desc.load([batch * k + kk * BLOCK_K, tj * BLOCK])
-            if INTERPRET:  # see _sym_gemm_kernel
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = mma_step(acc, a_desc, b_desc, batch, ti, tj, kk, n, n, k, BLOCK, BLOCK, BLOCK_K, A_T, B_T, INTERPRET)
         if HAS_C:
             c = c_desc.load([batch * n + ti * BLOCK, tj * BLOCK]).to(tl.float32)
             acc = alpha * acc + beta * c
