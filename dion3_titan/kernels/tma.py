@@ -71,6 +71,20 @@ def mma_step(
         return tl.dot(a, b, acc)
 
 
+def operand_descriptors(
+    sa: tuple[torch.Tensor, bool], sb: tuple[torch.Tensor, bool], block_m: int, block_n: int, block_k: int
+) -> tuple:
+    """The TMA descriptors ``mma_step`` reads A and B through, from their ``rows_stacked``
+    views: (a_desc, b_desc, A_T, B_T), with (block_m, block_k) tiles of A and (block_k, block_n)
+    tiles of B, held transposed where the view is the transpose."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (a2, a_t), (b2, b_t) = sa, sb
+    a_desc = TensorDescriptor.from_tensor(a2, [block_k, block_m] if a_t else [block_m, block_k])
+    b_desc = TensorDescriptor.from_tensor(b2, [block_n, block_k] if b_t else [block_k, block_n])
+    return a_desc, b_desc, a_t, b_t
+
+
 def aligned(*tensors: torch.Tensor | None) -> bool:
     """TMA's rule for the base address: 16 bytes (None entries are skipped)."""
     return all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
-from dion3_titan.kernels.tma import aligned, mma_step, num_sms, rows_stacked
+from dion3_titan.kernels.tma import aligned, mma_step, num_sms, operand_descriptors, rows_stacked
 
 Config = tuple[int, int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
 # What the Triton backend runs A @ B (MM_CONFIG) and alpha A @ B + beta C (MM_ADD_CONFIG) with;
@@ -131,14 +131,14 @@ def mm_tma(
         return None
     if out is None:
         out = torch.empty((L, M, N), dtype=a.dtype, device=a.device)
-    (a2, a_t), (b2, b_t) = sa, sb
+    a_desc, b_desc, a_t, b_t = operand_descriptors(sa, sb, block_m, block_n, block_k)
     out_desc = TensorDescriptor.from_tensor(out.view(L * M, N), [block_m, block_n])
     c_arg, c_strides = (c, c.stride()) if has_c else (out, (0, 0, 0))  # C is never read without has_c
     sms = num_sms(a.device)
     grid = (min(sms, L * (M // block_m) * (N // block_n)),)
     _mm_tma_kernel[grid](
-        TensorDescriptor.from_tensor(a2, [block_k, block_m] if a_t else [block_m, block_k]),
-        TensorDescriptor.from_tensor(b2, [block_n, block_k] if b_t else [block_k, block_n]),
+        a_desc,
+        b_desc,
         c_arg,
         out_desc,
         M,

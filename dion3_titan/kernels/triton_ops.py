@@ -28,7 +28,7 @@ from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.row_engine import row_slots, update_rows
-from dion3_titan.kernels.tma import aligned, launch_or_none, mma_step, num_sms, rows_stacked
+from dion3_titan.kernels.tma import aligned, launch_or_none, mma_step, num_sms, operand_descriptors, rows_stacked
 from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
@@ -342,17 +342,15 @@ def sym_gemm_tma(
         return None
     if out is None:
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
-    (a2, a_t), (b2, b_t) = sa, sb
-    a_block = [block_k, block] if a_t else [block, block_k]
-    b_block = [block, block_k] if b_t else [block_k, block]
+    a_desc, b_desc, a_t, b_t = operand_descriptors(sa, sb, block, block, block_k)
     out_desc = TensorDescriptor.from_tensor(out.view(L * n, n), [block, block])
     c_desc = TensorDescriptor.from_tensor(c.view(L * n, n), [block, block]) if has_c else out_desc
     sms = num_sms(a.device)
     side = n // block
     grid = (min(sms, L * side * (side + 1) // 2),)
     _sym_gemm_tma_kernel[grid](
-        TensorDescriptor.from_tensor(a2, a_block),
-        TensorDescriptor.from_tensor(b2, b_block),
+        a_desc,
+        b_desc,
         c_desc,
         out_desc,
         n,
