@@ -1,14 +1,21 @@
 """Benchmark orthogonalization and the symmetric GEMM on one CUDA GPU.
 
 One run prints, per (batch x n x m) shape: plain-PyTorch Muon NS5 (bf16, bmm/baddbmm), our
-Gram NS per backend (torch, triton, cute when available) through ``orthogonalize``, the
-gram-newton-schulz package (with quack kernels) when importable, and the FLOP floor
-14n^3 + 6n^2 m per matrix at the matmul rate measured in the same run. Then the symmetric GEMM
-against cuBLAS bmm/baddbmm at batch 4, n = 2048, 4096, 8192 (k = n). Times are medians of
-``triton.testing.do_bench`` (CUDA events) after warm-up, on random inputs. A table is printed at
-the end; with $OUT set, everything is also written to $OUT/bench_orthogonalize.json.
+Gram NS per backend (torch, triton, cute when available) through ``orthogonalize``, what
+``ns_algorithm = "auto"`` runs on the Triton backend (standard NS on square shapes), eager and
+replayed from a CUDA graph, the gram-newton-schulz package (with quack kernels) when importable,
+and the FLOP floor (kernels/flops.py, symmetric products at half cost, of the real unpadded
+shape) at two dense fp16 rates measured in the same run: 8192^3 and a batched product of the
+shape's own size, (batch, n, n) @ (batch, n, m). ``--variants`` also times "auto" with kernel
+switches turned (the Triton GEMM of kernels/triton_mm.py for A @ B + C, A @ B or both, in place
+of cuBLAS) in the same run.
+Then the symmetric GEMM against cuBLAS bmm/baddbmm at batch 4, n = 2048, 4096, 8192 (k = n).
+Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up, on random inputs.
+A table is printed at the end; with $OUT set, everything is also written to
+$OUT/bench_orthogonalize.json.
 
     python scripts/bench_orthogonalize.py [--sweep] [--budget-s 150] [--skip-anchor]
+        [--shapes 32x2048x2048,16x2752x4096] [--variants triton_mm_add,triton_mm]
 """
 
 from __future__ import annotations
@@ -22,12 +29,21 @@ import triton
 
 from benchmarks.output import fmt, output_path, write_json
 from benchmarks.timing import do_bench_ms as bench
-from benchmarks.timing import matmul_tflops
+from benchmarks.timing import graph_ms, matmul_tflops
+from dion3_titan.kernels import triton_mm, triton_ops
 from dion3_titan.kernels.dispatch import get_backend
+from dion3_titan.kernels.flops import ns_flops
 from dion3_titan.optim.config import MUON_QUINTIC, coefficient_schedule
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
 
-SHAPES = [(32, 2048, 7168), (1, 7168, 18432), (4, 4096, 11008), (8, 4096, 4096), (24, 1024, 4096), (4, 1024, 11008)]
+SHAPES = "32x2048x7168,1x7168x18432,4x4096x11008,8x4096x4096,24x1024x4096,4x1024x11008"
+# The kernel switches --variants turns, each against the module defaults: (module, name, value).
+_WIDE = triton_mm.DEFAULT_CONFIG  # the config that measured fastest
+VARIANTS = {
+    "triton_mm_add": [(triton_mm, "MM_ADD_CONFIG", _WIDE)],
+    "triton_mm": [(triton_mm, "MM_CONFIG", _WIDE)],
+    "triton_both": [(triton_mm, "MM_ADD_CONFIG", _WIDE), (triton_mm, "MM_CONFIG", _WIDE)],
+}
 SYM_SIDES = (2048, 4096, 8192)
 SWEEP = [  # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)
     (128, 64, 8, 8, 3),
@@ -61,8 +77,34 @@ def muon_ns5(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 def floor_ms(batch: int, n: int, m: int, tflops: float) -> float:
+    """The batch's NS FLOPs as "auto" runs it (5 steps, restart at 2, symmetric products at
+    half cost) at ``tflops``."""
+    return batch * ns_flops(n, m, "auto", 5, (2,), symmetric=True) / (tflops * 1e12) * 1e3
+
+
+def shape_rate(batch: int, n: int, m: int) -> float:
+    """Dense fp16 TFLOP/s of a plain batched product of the shape's size, (batch, n, n) @
+    (batch, n, m) with n <= m: the ceiling a kernel of these sides could reach."""
     n, m = min(n, m), max(n, m)
-    return batch * (14 * n**3 + 6 * n**2 * m) / (tflops * 1e12) * 1e3
+    a = torch.randn(batch, n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(batch, n, m, device="cuda", dtype=torch.float16)
+    return 2 * batch * n * n * m / bench(lambda: torch.bmm(a, b)) / 1e9
+
+
+class switched:
+    """Context manager: the module attributes of one VARIANTS entry set, then restored."""
+
+    def __init__(self, changes: list) -> None:
+        self.changes = changes
+
+    def __enter__(self) -> None:
+        self.saved = [(mod, name, getattr(mod, name)) for mod, name, _ in self.changes]
+        for mod, name, value in self.changes:
+            setattr(mod, name, value)
+
+    def __exit__(self, *exc) -> None:
+        for mod, name, value in self.saved:
+            setattr(mod, name, value)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,6 +142,9 @@ def main() -> None:
     parser.add_argument("--backends", default="torch,triton,cute", help="comma-separated backends to time")
     parser.add_argument("--parts", default="sym,ns", help="sym (GEMM vs cuBLAS), ns (orthogonalize)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--shapes", default=SHAPES, help="comma-separated BxNxM")
+    parser.add_argument("--variants", default="", help=f"comma-separated, of {sorted(VARIANTS)}")
+    parser.add_argument("--no-ns5", action="store_true", help="skip plain Muon NS5")
     args = parser.parse_args()
     start = time.time()
     torch.manual_seed(0)
@@ -117,7 +162,6 @@ def main() -> None:
     parts = args.parts.split(",")
 
     # ---- symmetric GEMM vs cuBLAS, batch 4, (n x n) @ (n x n)^T and alpha AB + beta C
-    from dion3_titan.kernels import triton_ops
 
     sym_rows = []
     for n in SYM_SIDES if "sym" in parts else ():
@@ -162,22 +206,38 @@ def main() -> None:
     coefs = coefficient_schedule("polar_express", 5, 1.05)
     gram = NSSettings(algorithm="gram", coefficients=coefs, restarts=(2,), dtype=torch.float16)
     std = NSSettings(algorithm="standard", coefficients=coefs, restarts=(), dtype=torch.float16)
+    auto = NSSettings(algorithm="auto", coefficients=coefs, restarts=(2,), dtype=torch.float16)
     anchor = None if args.skip_anchor else load_anchor()
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
     ns_rows = []
-    for batch, n, m in SHAPES if "ns" in parts else ():
+    for batch, n, m in shapes if "ns" in parts else ():
         if time.time() - start > args.budget_s:
             print(f"[budget] skipping {batch}x{n}x{m}")
             continue
         x = torch.randn(batch, n, m, device="cuda", dtype=torch.bfloat16)
         row = {"shape": f"{batch}x{n}x{m}", "floor_ms": floor_ms(batch, n, m, rate["torch.float16"])}
-        row["muon_ns5_bf16"] = bench(lambda: muon_ns5(x))
+        row["shape_fp16_tflops"] = shape_rate(batch, n, m)
+        row["floor_shape_rate_ms"] = floor_ms(batch, n, m, row["shape_fp16_tflops"])
+        if not args.no_ns5:
+            row["muon_ns5_bf16"] = bench(lambda: muon_ns5(x))
         ref = orthogonalize(x, gram, get_backend("torch"))
         for name, be in ops.items():
             row[f"gram_{name}"] = bench(lambda: orthogonalize(x, gram, be))
             if name != "torch":
                 row[f"gram_{name}_vs_torch_relerr"] = rel(orthogonalize(x, gram, be), ref)
         if "triton" in ops:
-            row["standard_triton"] = bench(lambda: orthogonalize(x, std, ops["triton"]))
+            tri = ops["triton"]
+            row["standard_triton"] = bench(lambda: orthogonalize(x, std, tri))
+            row["auto_triton"] = bench(lambda: orthogonalize(x, auto, tri))
+            row["auto_triton_vs_torch_relerr"] = rel(
+                orthogonalize(x, auto, tri), orthogonalize(x, auto, get_backend("torch"))
+            )
+            row["auto_triton_graph"] = graph_ms(lambda: orthogonalize(x, auto, tri), reps=20)
+            row["fraction_of_dense"] = row["floor_ms"] / row["auto_triton"]
+            for variant in variants:
+                with switched(VARIANTS[variant]):
+                    row[f"auto_triton[{variant}]"] = bench(lambda: orthogonalize(x, auto, tri))
         print("ns", json.dumps(row))
         ns_rows.append(row)
         del x, ref
@@ -195,6 +255,8 @@ def main() -> None:
         except Exception as exc:
             print(f"[anchor] failed on {row['shape']}: {type(exc).__name__}: {exc}")
             break
+        if "auto_triton" in row:
+            row["auto_triton_vs_anchor"] = row["auto_triton"] / row["gram_newton_schulz"]
         print("anchor", row["shape"], row["gram_newton_schulz"])
         del x
     result["orthogonalize"] = ns_rows
@@ -219,9 +281,13 @@ def main() -> None:
         "gram_triton",
         "gram_cute",
         "standard_triton",
+        "auto_triton",
+        "auto_triton_graph",
         "gram_newton_schulz",
-    ]
-    print(f"{'shape':>14} " + " ".join(f"{c[:15]:>15}" for c in cols))
+        "auto_triton_vs_anchor",
+        "fraction_of_dense",
+    ] + [f"auto_triton[{v}]" for v in variants]
+    print(f"{'shape':>14} " + " ".join(f"{c[-15:]:>15}" for c in cols))
     for row in ns_rows:
         print(f"{row['shape']:>14} " + " ".join(fmt(row.get(c), ".2f", 15) for c in cols))
     print(

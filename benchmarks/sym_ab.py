@@ -1,13 +1,19 @@
-"""A/B timing of the Triton symmetric GEMM against another revision of it, in one run.
+"""A/B timing of the Triton symmetric GEMM against another revision of it, and of the persistent
+TMA GEMM (kernels/triton_mm.py) against cuBLAS, in one run.
 
     git show REV:dion3_titan/kernels/triton_ops.py > /tmp/base_triton_ops.py
-    python scripts/bench_sym_ab.py --baseline /tmp/base_triton_ops.py [--shapes 4x8192,32x2048] [--reps 5]
+    python scripts/bench_sym_ab.py --baseline /tmp/base_triton_ops.py [--shapes 4x8192,16x2816x4096] \
+        [--gemm 32x2048x2048x2048+c,16x2816x2816x4096] [--reps 5]
 
-For each (L, n), k = n, fp16: cuBLAS bmm, then the persistent TMA kernel, the per-tile kernel and
-the TMA kernel with C (alpha*AB + beta*C), baseline and current interleaved, each timed ``reps``
-times with ``triton.testing.do_bench``; the median of those runs is reported. Both revisions'
-results are checked for exact symmetry and equal lower triangles first. With $OUT set the rows
-are also written to $OUT/bench_sym_ab.json.
+``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, then the persistent TMA kernel, the
+per-tile kernel and the TMA kernel with C (alpha*AB + beta*C, square shapes only), baseline and
+current interleaved, each timed ``reps`` times with ``triton.testing.do_bench``; the median of
+those runs is reported. Both revisions' results are checked for exact symmetry and equal lower
+triangles first. ``--gemm``: L x M x K x N, "+c" for alpha*AB + beta*C (C is B itself when
+square, as in X <- aX + BX): cuBLAS bmm/baddbmm against ``mm_tma`` in each of ``GEMM_CONFIGS``
+(a config that does not build or fit is reported as such), each result checked against cuBLAS.
+Rates count the FLOPs each kernel runs (2LMKN; the symmetric kernel its lower tiles only). With
+$OUT set the rows are also written to $OUT/bench_sym_ab.json.
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ import triton
 
 from benchmarks.output import output_path, write_json
 from benchmarks.timing import do_bench_ms
+from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels import triton_ops as current
+
+GEMM_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
+    (128, 128, 64, 8, 8, 5),
+    (128, 256, 64, 8, 8, 3),
+    (128, 256, 64, 4, 8, 3),
+]
 
 
 def _load(path: str):
@@ -32,42 +45,99 @@ def _load(path: str):
     return module
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--baseline", required=True, help="a triton_ops.py of another revision")
-    parser.add_argument("--shapes", default="4x8192,32x2048", help="comma-separated LxN")
-    parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-    base = _load(args.baseline)
+def _timed(fn, reps: int) -> tuple[float, list[float]]:
+    runs = [do_bench_ms(fn, rep=200, return_mode="mean") for _ in range(reps)]
+    return statistics.median(runs), runs
+
+
+def sym_rows(base, shapes: list[str], reps: int) -> list[dict]:
     rows = []
-    for shape in args.shapes.split(","):
-        L, n = (int(v) for v in shape.split("x"))
+    for shape in shapes:
+        L, n, *rest = (int(v) for v in shape.split("x"))
+        k = rest[0] if rest else n
         gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(L, n, n, device="cuda", dtype=torch.float16, generator=gen) / n**0.5
+        x = torch.randn(L, n, k, device="cuda", dtype=torch.float16, generator=gen) / k**0.5
         c = torch.randn(L, n, n, device="cuda", dtype=torch.float16, generator=gen)
         c = (c + c.mT) / 2
+        want = current.sym_gemm_tma(x, x.mT)
         for name, mod in [("baseline", base), ("current", current)]:
             y = mod.sym_gemm_tma(x, x.mT)
             print(
-                f"{name} L={L} n={n}: symmetric {torch.equal(y, y.mT)}, "
-                f"lower = current's {torch.equal(y.tril(), current.sym_gemm_tma(x, x.mT).tril())}"
+                f"{name} L={L} n={n} k={k}: symmetric {torch.equal(y, y.mT)}, lower = current's {torch.equal(y.tril(), want.tril())}"
             )
         cases = [("cublas_bmm", None, lambda m: torch.bmm(x, x.mT))]
-        for label, fn in [
+        kernels = [
             ("tma", lambda m: m.sym_gemm_tma(x, x.mT)),
             ("tile", lambda m: m.sym_gemm(x, x.mT, config=m.SYM_CONFIG)),
-            ("tma_addmm", lambda m: m.sym_gemm_tma(x, x.mT, c, 0.5, -1.5)),
-        ]:
+        ]
+        if k == n:
+            kernels.append(("tma_addmm", lambda m: m.sym_gemm_tma(x, x.mT, c, 0.5, -1.5)))
+        for label, fn in kernels:
             cases += [(label, "baseline", fn), (label, "current", fn)]
+        side = triton.cdiv(n, 128)
+        sym_flop = 2 * L * k * n * n * (side + 1) / (2 * side)
         for label, rev, fn in cases:
             mod = base if rev == "baseline" else current
-            runs = [do_bench_ms(lambda: fn(mod), rep=300, return_mode="mean") for _ in range(args.reps)]
-            rows.append(
-                {"L": L, "n": n, "kernel": label, "revision": rev, "ms": statistics.median(runs), "ms_runs": runs}
+            ms, runs = _timed(lambda: fn(mod), reps)
+            flop = 2 * L * n * n * k if label == "cublas_bmm" else sym_flop
+            rows.append({"L": L, "n": n, "k": k, "kernel": label, "revision": rev, "ms": ms, "ms_runs": runs})
+            rows[-1]["tflops"] = flop / ms / 1e9
+            print(
+                f"L={L:3d} n={n:5d} k={k:5d} {label:15s} {rev or '':9s} {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s",
+                flush=True,
             )
-            print(f"L={L:3d} n={n:5d} {label:10s} {rev or '':9s} {rows[-1]['ms']:.3f} ms", flush=True)
+    return rows
+
+
+def gemm_rows(shapes: list[str], reps: int) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        with_c = shape.endswith("+c")
+        L, M, K, N = (int(v) for v in shape.removesuffix("+c").split("x"))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        a = torch.randn(L, M, K, device="cuda", dtype=torch.float16, generator=gen) / K**0.5
+        b = torch.randn(L, K, N, device="cuda", dtype=torch.float16, generator=gen)
+        c = b if M == K else torch.randn(L, M, N, device="cuda", dtype=torch.float16, generator=gen)
+        c = c if with_c else None
+        alpha, beta = (1.0, 1.875) if with_c else (1.0, 0.0)
+        if with_c:
+            cases = [("cublas_baddbmm", lambda: torch.baddbmm(c, a, b, alpha=alpha, beta=beta))]
+        else:
+            cases = [("cublas_bmm", lambda: torch.bmm(a, b))]
+        want = cases[0][1]()
+        for cfg in GEMM_CONFIGS:
+            try:
+                got = triton_mm.mm_tma(a, b, c, alpha, beta, config=cfg)
+            except Exception as exc:  # e.g. more shared memory than the SM has
+                print(f"{shape} mm_tma{cfg}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            if got is None:
+                print(f"{shape} mm_tma{cfg}: does not fit")
+                continue
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            print(f"{shape} mm_tma{cfg}: rel. difference to cuBLAS {err:.2e}")
+            cases.append((f"mm_tma{cfg}", lambda cfg=cfg: triton_mm.mm_tma(a, b, c, alpha, beta, config=cfg)))
+        for label, fn in cases:
+            ms, runs = _timed(fn, reps)
+            rows.append(
+                {"shape": shape, "kernel": label, "ms": ms, "ms_runs": runs, "tflops": 2 * L * M * K * N / ms / 1e9}
+            )
+            print(f"{shape:22s} {label:36s} {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--baseline", required=True, help="a triton_ops.py of another revision")
+    parser.add_argument("--shapes", default="4x8192,32x2048", help="comma-separated LxN or LxNxK")
+    parser.add_argument("--gemm", default="", help="comma-separated LxMxKxN[+c]")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    base = _load(args.baseline)
+    rows = sym_rows(base, [s for s in args.shapes.split(",") if s], args.reps)
+    gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    write_json(output_path(None, "bench_sym_ab.json"), {**meta, "rows": rows})
+    write_json(output_path(None, "bench_sym_ab.json"), {**meta, "rows": rows, "gemm": gemm})
 
 
 if __name__ == "__main__":

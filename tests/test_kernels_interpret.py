@@ -112,6 +112,38 @@ def _run_checks(seed: int) -> list[dict]:
                             "dtype_ok": out.dtype == dtype,
                         }
                     )
+    # the persistent GEMM alpha * A @ B + beta * C (triton_mm), blocks of unequal sides, every
+    # operand in either memory order, into a poisoned output
+    from dion3_titan.kernels import triton_mm
+
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages)
+    for L, M, K, N, mm_config in [
+        (2, 32, 48, 64, (16, 32, 16, 2, 4, 2)),
+        (1, 16, 16, 32, (16, 16, 16, 1, 4, 2)),
+    ]:
+        for dtype in (torch.float16, torch.bfloat16):
+            a, b, c = (torch.randn(*s).to(dtype) for s in [(L, M, K), (L, K, N), (L, M, N)])
+            for layout in ("rows", "cols"):
+                if layout == "cols":
+                    a, b, c = (t.mT.contiguous().mT for t in (a, b, c))
+                for with_c in (False, True):
+                    alpha, beta = (0.7, -1.3) if with_c else (1.0, 0.0)
+                    ref = alpha * torch.bmm(a.double(), b.double()) + (beta * c.double() if with_c else 0)
+                    theirs = torch.baddbmm(c, a, b, alpha=alpha, beta=beta) if with_c else torch.bmm(a, b)
+                    out = torch.full((L, M, N), float("nan"), dtype=dtype)
+                    done = triton_mm.mm_tma(a, b, c if with_c else None, alpha, beta, config=mm_config, out=out)
+                    results.append(
+                        {
+                            "check": "mm_tma",
+                            "case": f"L={L},M={M},K={K},N={N},{dtype},{layout},c={with_c},{mm_config}",
+                            "ran": done is out,
+                            "err": rel(out, ref),
+                            "torch_err": rel(theirs, ref),
+                            "finite": bool(torch.isfinite(out).all()),
+                        }
+                    )
+    x = torch.randn(1, 40, 32).half()
+    results.append({"check": "mm_declines", "case": "M=40", "ok": triton_mm.mm_tma(x, x.mT, config=mm_config) is None})
     x = torch.randn(1, 40, 32).half()  # n not a multiple of the tile: the general kernel's job
     results.append(
         {"check": "tma_declines", "case": "n=40", "ok": triton_ops.sym_gemm_tma(x, x.mT, config=tma_config) is None}
@@ -235,6 +267,15 @@ def test_tma_kernel_declines_ragged_shapes(results: list[dict]) -> None:
 def test_tma_kernel_allocates_the_same_result(results: list[dict]) -> None:
     bad = [r["case"] for r in _of(results, "tma_alloc") if not r["ok"]]
     assert not bad
+
+
+def test_mm_tma_accuracy_and_coverage(results: list[dict]) -> None:
+    """Within twice the error of torch's own same-dtype product, every element written."""
+    bad = [
+        r for r in _of(results, "mm_tma") if not (r["ran"] and r["finite"] and r["err"] <= 2 * r["torch_err"] + 1e-6)
+    ]
+    assert not bad, bad
+    assert all(r["ok"] for r in _of(results, "mm_declines"))
 
 
 def test_fused_update_matches_reference_bitwise(results: list[dict]) -> None:

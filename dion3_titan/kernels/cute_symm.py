@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from dion3_titan.kernels.triton_ops import TritonOps, num_sms
+from dion3_titan.kernels.tma import num_sms
+from dion3_titan.kernels.triton_ops import TritonOps
 
 TILE = 128  # output tile side (square: the triangle of tiles needs square tiles)
 TILE_K = 64  # k-slice per pipeline stage

@@ -14,21 +14,21 @@ also get ``- lr * update``; float32 math and one rounding to the weight's dtype,
 kernel is the row engine's (row_engine.update_rows, without momentum).
 
 Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (that is how the CPU tests
-check the kernels' logic). ``mm``/``mm_add`` are plain cuBLAS products.
+check the kernels' logic). ``mm``/``mm_add`` are cuBLAS products unless triton_mm's switches send
+them to its persistent GEMM.
 """
 
 from __future__ import annotations
-
-import functools
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.row_engine import row_slots, update_rows
+from dion3_titan.kernels.tma import aligned, launch_or_none, mma_step, num_sms, operand_descriptors, rows_stacked
 from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
@@ -184,18 +184,7 @@ def _sym_gemm_tma_kernel(
         ti, tj = _lower_tile(tile % per_matrix, side, GROUP)
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for kk in range(k_tiles):
-            if A_T:
-                a = a_desc.load([batch * k + kk * BLOCK_K, ti * BLOCK]).T
-            else:
-                a = a_desc.load([batch * n + ti * BLOCK, kk * BLOCK_K])
-            if B_T:
-                b = b_desc.load([batch * n + tj * BLOCK, kk * BLOCK_K]).T
-            else:
-                b = b_desc.load([batch * k + kk * BLOCK_K, tj * BLOCK])
-            if INTERPRET:  # see _sym_gemm_kernel
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = mma_step(acc, a_desc, b_desc, batch, ti, tj, kk, n, n, k, BLOCK, BLOCK, BLOCK_K, A_T, B_T, INTERPRET)
         if HAS_C:
             c = c_desc.load([batch * n + ti * BLOCK, tj * BLOCK]).to(tl.float32)
             acc = alpha * acc + beta * c
@@ -258,19 +247,8 @@ def sym_gemm(
     ``out`` (L, n, n) receives the result (tests pass a NaN-filled one to see every element written).
     """
     L, n, k = _check_sym_operands(a, b)
-    if config is None and TMA_CONFIG is not None and a.is_cuda and not _TMA_BROKEN and _tma_pays(a, n):
-        try:
-            done = sym_gemm_tma(a, b, c, alpha, beta, out=out)
-        except Exception as e:  # a Triton that cannot build it: the per-tile kernel computes the same
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            _TMA_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
-            warnings.warn(
-                f"dion3_titan: persistent TMA symmetric GEMM unavailable ({_TMA_BROKEN[0]}); "
-                "using the per-tile Triton kernel",
-                stacklevel=2,
-            )
-            done = None
+    if config is None and TMA_CONFIG is not None and a.is_cuda and _tma_pays(a, n):
+        done = launch_or_none("sym_gemm_tma", lambda: sym_gemm_tma(a, b, c, alpha, beta, out=out))
         if done is not None:
             return done
     if not _offsets_fit(n, k):
@@ -323,33 +301,12 @@ TMA_CONFIG: tuple[int, int, int, int, int] | None = (128, 64, 8, 8, 4)
 # The persistent kernel pays off only once every SM has several tiles to walk; below that the
 # per-tile kernel is faster. Measurements of both: docs/benchmarks.md, "Symmetric GEMM vs cuBLAS".
 TMA_MIN_TILES_PER_SM = 8
-_TMA_BROKEN: list[str] = []  # set when this Triton cannot compile the TMA kernel
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (persistent kernels launch one program per
-    SM); 4 for a CPU tensor under the interpreter."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_pays(a: torch.Tensor, n: int) -> bool:
     L, block = a.shape[0], TMA_CONFIG[0]
     side = triton.cdiv(n, block)
     return L * side * (side + 1) // 2 >= TMA_MIN_TILES_PER_SM * num_sms(a.device)
-
-
-def _rows_stacked(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-    """(L, r, c) -> a 2D view with unit last stride that stacks the batch along rows: (L*r, c)
-    of t itself (False) or (L*c, r) of its transpose (True); None when t is neither."""
-    L, r, c = t.shape
-    if t.is_contiguous():
-        return t.view(L * r, c), False
-    if t.mT.is_contiguous():
-        return t.mT.reshape(L * c, r), True
-    return None
 
 
 def sym_gemm_tma(
@@ -369,7 +326,7 @@ def sym_gemm_tma(
     L, n, k = _check_sym_operands(a, b)
     block, block_k, group, num_warps, num_stages = config or TMA_CONFIG
     has_c = c is not None and beta != 0.0
-    sa, sb = _rows_stacked(a), _rows_stacked(b)
+    sa, sb = rows_stacked(a), rows_stacked(b)
     if (
         L == 0
         or n == 0
@@ -380,23 +337,20 @@ def sym_gemm_tma(
         or sb is None
         or (out is not None and not out.is_contiguous())
         or (has_c and (c.shape != (L, n, n) or not c.is_contiguous()))
-        or any(t.data_ptr() % 16 for t in [a, b] + ([c] if has_c else []) + ([out] if out is not None else []))
+        or not aligned(a, b, c if has_c else None, out)
     ):
         return None
     if out is None:
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
-    (a2, a_t), (b2, b_t) = sa, sb
-    a_block = [block_k, block] if a_t else [block, block_k]
-    b_block = [block, block_k] if b_t else [block_k, block]
-    out2 = out.view(L * n, n)
-    out_desc = TensorDescriptor.from_tensor(out2, [block, block])
+    a_desc, b_desc, a_t, b_t = operand_descriptors(sa, sb, block, block, block_k)
+    out_desc = TensorDescriptor.from_tensor(out.view(L * n, n), [block, block])
     c_desc = TensorDescriptor.from_tensor(c.view(L * n, n), [block, block]) if has_c else out_desc
     sms = num_sms(a.device)
     side = n // block
     grid = (min(sms, L * side * (side + 1) // 2),)
     _sym_gemm_tma_kernel[grid](
-        TensorDescriptor.from_tensor(a2, a_block),
-        TensorDescriptor.from_tensor(b2, b_block),
+        a_desc,
+        b_desc,
         c_desc,
         out_desc,
         n,
@@ -435,8 +389,9 @@ def fused_update(
 
 
 class TritonOps(TorchOps):
-    """Symmetric products and the fused update in Triton; general products (and dtypes the
-    kernels do not take) through the torch backend."""
+    """Symmetric products, the fused update and (where MM_CONFIG / MM_ADD_CONFIG switch it on)
+    general products in Triton; the rest (and dtypes the kernels do not take) through the torch
+    backend."""
 
     name = "triton"
 
@@ -445,6 +400,23 @@ class TritonOps(TorchOps):
         # block (docs/benchmarks.md, "Padding the Gram side")
         block = TMA_CONFIG[0] if TMA_CONFIG is not None else 1
         return n if n <= block else triton.cdiv(n, block) * block
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = self._mm(a, b, None, 1.0, 0.0, triton_mm.MM_CONFIG)
+        return out if out is not None else super().mm(a, b)
+
+    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+        out = self._mm(a, b, c, alpha, beta, triton_mm.MM_ADD_CONFIG)
+        return out if out is not None else super().mm_add(a, b, c, alpha, beta)
+
+    def _mm(self, a, b, c, alpha, beta, config) -> torch.Tensor | None:
+        """The persistent TMA GEMM where it is switched on (config) and the operands fit it;
+        None sends the product to cuBLAS."""
+        if config is None or not self._runs(a) or not (a.is_cuda or interpreting()):
+            return None
+        # one fallback record per compiled variant: a config may fit shared memory without C only
+        name = f"mm_tma{config}{'+c' if c is not None else ''}"
+        return launch_or_none(name, lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config))
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not self._runs(a):

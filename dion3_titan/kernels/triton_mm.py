@@ -1,0 +1,163 @@
+"""Persistent TMA GEMM with a fused epilogue: out = alpha * (A @ B) + beta * C, batched.
+
+Newton-Schulz's non-symmetric products are X <- a X + B X (standard NS) and Q X (Gram NS). The
+a X term stays out of the product (folding a_t I into B would round B's small diagonal entries
+at the magnitude of a_t in fp16, App. B.2.3): it is added to the fp32 accumulator here, from C
+read straight into the accumulator's registers, instead of in a second pass.
+
+One program per SM walks the output tiles of every matrix, GROUP tile rows at a time
+(column by column inside a band, so programs running together share B panels in L2). A and B
+come in by TMA from 2D views that stack the batch along rows (tma.rows_stacked), so every
+dimension must be a multiple of its block; ``mm_tma`` returns None otherwise and the caller uses
+cuBLAS. Against cuBLAS: docs/benchmarks.md, "Fused GEMM + a X" (it is switched off by default).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dion3_titan.kernels.backend import interpreting
+from dion3_titan.kernels.rounding import round_to
+from dion3_titan.kernels.tma import aligned, mma_step, num_sms, operand_descriptors, rows_stacked
+
+Config = tuple[int, int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
+# What the Triton backend runs A @ B (MM_CONFIG) and alpha A @ B + beta C (MM_ADD_CONFIG) with;
+# None leaves that product to cuBLAS. Chosen from measurements: docs/benchmarks.md.
+MM_CONFIG: Config | None = None
+MM_ADD_CONFIG: Config | None = None
+DEFAULT_CONFIG: Config = (128, 256, 64, 8, 8, 3)  # of a direct mm_tma call: the fastest measured
+
+
+@triton.jit
+def _band_tile(t, tiles_m, tiles_n, GROUP: tl.constexpr):
+    """Linear index t -> (row, col) of an output tile: bands of GROUP tile rows, column-major
+    inside a band."""
+    per_band = GROUP * tiles_n
+    band = t // per_band
+    first = band * GROUP
+    rows = tl.minimum(tiles_m - first, GROUP)
+    local = t % per_band
+    return first + local % rows, local // rows
+
+
+@triton.jit
+def _mm_tma_kernel(
+    a_desc,
+    b_desc,
+    c_ptr,
+    out_desc,
+    M,
+    N,
+    K,
+    L,
+    s_cb,
+    s_cm,
+    s_cn,
+    alpha,
+    beta,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    HAS_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """``A_T``/``B_T``: that operand's unit stride is its row dim and its descriptor holds the
+    transpose. C is read with plain loads straight into the accumulator's registers (any
+    strides): a TMA tile of C would need shared memory beside the pipeline's stages and the
+    output tile, which the 128 x 256 tile does not leave."""
+    tiles_m = M // BLOCK_M
+    tiles_n = N // BLOCK_N
+    per_matrix = tiles_m * tiles_n
+    k_tiles = K // BLOCK_K
+    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS):
+        batch = tile // per_matrix
+        ti, tj = _band_tile(tile % per_matrix, tiles_m, tiles_n, GROUP)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            acc = mma_step(
+                acc, a_desc, b_desc, batch, ti, tj, kk, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, A_T, B_T, INTERPRET
+            )
+        if HAS_C:  # torch.baddbmm's order: alpha * (a @ b) + beta * c, in float32
+            rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = tj * BLOCK_N + tl.arange(0, BLOCK_N)
+            c_tile = c_ptr + batch.to(tl.int64) * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
+            acc = alpha * acc + beta * tl.load(c_tile).to(tl.float32)
+        else:
+            acc = alpha * acc
+        out_desc.store([batch * M + ti * BLOCK_M, tj * BLOCK_N], round_to(acc, out_desc.dtype, INTERPRET))
+
+
+def mm_tma(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    config: Config | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """alpha * (a @ b) + beta * c for (L, M, K) @ (L, K, N), fp16/bf16, into a new contiguous
+    (L, M, N) tensor (or ``out``); None when the operands do not fit the kernel (a dimension
+    off its block, A or B without a unit stride, mixed dtypes, misaligned storage; C may have any
+    strides, each matrix under 2^31 elements)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_n, block_k, group, num_warps, num_stages = config or DEFAULT_CONFIG
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ValueError(f"mm expects (L, M, K) @ (L, K, N); got {tuple(a.shape)} @ {tuple(b.shape)}")
+    L, M, K = a.shape
+    N = b.shape[2]
+    has_c = c is not None and beta != 0.0
+    sa, sb = rows_stacked(a), rows_stacked(b)
+    if (
+        a.dtype not in (torch.float16, torch.bfloat16)
+        or b.dtype != a.dtype
+        or L * M * N * K == 0
+        or M % block_m
+        or N % block_n
+        or K % block_k
+        or sa is None
+        or sb is None
+        or (has_c and (c.shape != (L, M, N) or c.dtype != a.dtype or M * N >= 2**31))
+        or (out is not None and not out.is_contiguous())
+        or not aligned(a, b, c if has_c else None, out)
+    ):
+        return None
+    if out is None:
+        out = torch.empty((L, M, N), dtype=a.dtype, device=a.device)
+    a_desc, b_desc, a_t, b_t = operand_descriptors(sa, sb, block_m, block_n, block_k)
+    out_desc = TensorDescriptor.from_tensor(out.view(L * M, N), [block_m, block_n])
+    c_arg, c_strides = (c, c.stride()) if has_c else (out, (0, 0, 0))  # C is never read without has_c
+    sms = num_sms(a.device)
+    grid = (min(sms, L * (M // block_m) * (N // block_n)),)
+    _mm_tma_kernel[grid](
+        a_desc,
+        b_desc,
+        c_arg,
+        out_desc,
+        M,
+        N,
+        K,
+        L,
+        *c_strides,
+        float(alpha),
+        float(beta),
+        A_T=a_t,
+        B_T=b_t,
+        HAS_C=has_c,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP=group,
+        NUM_SMS=sms,
+        INTERPRET=interpreting(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
