@@ -157,7 +157,7 @@ def local_hashes(model_parts) -> dict[str, str]:
     for model in model_parts:
         for name, p in model.named_parameters():
             # the plain tensor behind a DTensor shard or a wrapper (float8 training weights)
-            local = to_local(p.detach()).float().contiguous()
+            local = to_local(p.detach()).float().cpu().contiguous()
             out[name] = hashlib.sha256(local.numpy().tobytes()).hexdigest()
     return out
 
