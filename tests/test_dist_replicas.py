@@ -9,6 +9,7 @@
 - at f = 1/4 the matrices' bytes across replicas are <= 0.3x what FSDP2's gradient all-reduce
   moves in "gradients" mode;
 - the momentum average before a checkpoint changes nothing later;
+- the clipping norm is the p-mean over replicas of each replica's gradient norm;
 - real FSDP2 (fully_shard on the 2 x 2 mesh) with its all-reduce across replicas turned off
   (dist/fsdp.py) equals native HSDP.
 """
@@ -167,8 +168,18 @@ def _variants_worker(rank, world, out):
     later = {}
     for at in (None, 4):
         later[at] = _run(mesh, {"fraction": 0.25, "flavor": "normuon", "selection": "random"}, "compressed", 8, at)
+    # the clipping norm of compressed sync: the p-mean over replicas of each replica's norm
+    from dion3_titan.compressed import replica_norm
+
+    p = _params(mesh, [(8, 4)], 2)[0]
+    _set_grads(mesh, [p], 0, "compressed", [(8, 4)])
+    own = torch.tensor(3.0 + 4.0 * mesh.get_local_rank(0))  # 3 on replica 0, 7 on replica 1
+    norms = {t: float(replica_norm(own, [p], t)) for t in (2.0, 1.0, float("inf"))}
     if rank == 0:
-        torch.save({"l1": l1, "split": split, "comp_bytes": comp["bytes"], "fsdp_bytes": fsdp, "later": later}, out)
+        torch.save(
+            {"l1": l1, "split": split, "comp_bytes": comp["bytes"], "fsdp_bytes": fsdp, "later": later, "norms": norms},
+            out,
+        )
 
 
 def test_l1_split_bytes_and_checkpoint_average(tmp_path):
@@ -184,6 +195,7 @@ def test_l1_split_bytes_and_checkpoint_average(tmp_path):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (i, (a - b).abs().max())
     assert 0 < r["comp_bytes"][-1] <= 0.3 * r["fsdp_bytes"], (r["comp_bytes"], r["fsdp_bytes"])
     assert all(r["later"][4]["identical"]), r["later"][4]["identical"]
+    assert r["norms"] == pytest.approx({2.0: (29.0) ** 0.5, 1.0: 5.0, float("inf"): 7.0}), r["norms"]
     for i, (a, b) in enumerate(zip(r["later"][None]["weights"], r["later"][4]["weights"])):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (i, (a - b).abs().max())
 

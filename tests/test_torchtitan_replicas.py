@@ -4,12 +4,11 @@ stay bit-identical; a checkpoint saved at step 10 resumes at HSDP 2 x 2 (reprodu
 uninterrupted losses bit for bit) and at FSDP 2 (replicate degree 1); a config that cannot use
 compressed sync stops before step 1 with one line."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.titan_helpers import CONFIGS, ensure_corpus, run_titan
+from tests.titan_helpers import CONFIGS, checkpoint_from, ensure_corpus, hsdp_replicas_identical, run_titan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -34,13 +33,6 @@ HSDP = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data
 COMPRESSED = ("--optimizer.replicate_sync", "compressed")
 
 
-def _replicas_identical(run) -> bool:
-    """Ranks r and r + 2 hold the same shard in the two replicas (torchtitan's mesh puts the
-    replicate dim outside the shard dim)."""
-    hashes = [record["local_hashes"] for record in run.records]
-    return len(hashes) == 4 and hashes[0] == hashes[2] and hashes[1] == hashes[3] and hashes[0] != hashes[1]
-
-
 def test_compressed_trains_and_resumes(tmp_path: Path) -> None:
     ensure_corpus()
     full = run_titan(LLAMA, tmp_path / "full", "--training.steps", str(STEPS), *COMMON, *HSDP, *COMPRESSED, nproc=4)
@@ -48,22 +40,18 @@ def test_compressed_trains_and_resumes(tmp_path: Path) -> None:
     losses = full.losses()
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     assert losses[STEPS] < losses[1] - 1.0, losses  # it trains
-    assert _replicas_identical(full), [r["local_hashes"] for r in full.records]
+    assert hsdp_replicas_identical(full), [r["local_hashes"] for r in full.records]
     assert "replicate_sync='compressed'" not in full.output  # no refusal line
 
     # resume at the same mesh from step 10: steps 11-14 exactly as uninterrupted
-    same = tmp_path / "same"
-    (same / "checkpoint").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-10", same / "checkpoint" / "step-10")
+    same = checkpoint_from(tmp_path / "full", 10, tmp_path / "same")
     again = run_titan(LLAMA, same, "--training.steps", str(STEPS), *COMMON, *HSDP, *COMPRESSED, nproc=4)
     assert again.returncode == 0, again.output[-4000:]
     assert again.losses() == {s: losses[s] for s in range(11, STEPS + 1)}  # bitwise-equal floats
-    assert _replicas_identical(again)
+    assert hsdp_replicas_identical(again)
 
     # resume at FSDP 2 (replicate degree 1, so gradient sync): it continues, it does not restart
-    fsdp = tmp_path / "fsdp"
-    (fsdp / "checkpoint").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-10", fsdp / "checkpoint" / "step-10")
+    fsdp = checkpoint_from(tmp_path / "full", 10, tmp_path / "fsdp")
     two = run_titan(
         LLAMA, fsdp, "--training.steps", str(STEPS), *COMMON, "--checkpoint.exclude_from_loading", "dataloader", nproc=2
     )

@@ -162,6 +162,24 @@ def local_hashes(model_parts) -> dict[str, str]:
     return out
 
 
+def hsdp_replicas_identical(run: TitanRun) -> bool:
+    """On 4 ranks of HSDP 2 x 2, ranks r and r + 2 hold the same shard in the two replicas
+    (torchtitan's mesh puts the replicate dim outside the shard dim): bit-identical there,
+    different between the shards."""
+    hashes = [record["local_hashes"] for record in run.records]
+    return len(hashes) == 4 and hashes[0] == hashes[2] and hashes[1] == hashes[3] and hashes[0] != hashes[1]
+
+
+def checkpoint_from(run_dir: Path, step: int, dump_folder: Path) -> Path:
+    """``dump_folder`` holding only ``run_dir``'s checkpoint of ``step`` (a run there resumes
+    from it)."""
+    import shutil
+
+    (dump_folder / "checkpoint").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoint" / f"step-{step}", dump_folder / "checkpoint" / f"step-{step}")
+    return dump_folder
+
+
 def ensure_corpus() -> Path:
     """The small offline corpus + tokenizer at its default place (built once, ~6 s)."""
     from dion3_titan.data.build import DEFAULTS, build, default_out, is_built

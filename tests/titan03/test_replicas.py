@@ -3,12 +3,12 @@
 weights stay bit-identical, a checkpoint saved at step 10 resumes at HSDP 2 x 2 bit for bit and
 at FSDP 2 (replicate degree 1)."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.titan03.helpers import ensure_corpus, run_titan03
+from tests.titan_helpers import checkpoint_from, hsdp_replicas_identical
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -29,11 +29,6 @@ COMMON = (
 HSDP = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2")
 
 
-def _replicas_identical(run) -> bool:
-    hashes = [record["local_hashes"] for record in run.records]
-    return len(hashes) == 4 and hashes[0] == hashes[2] and hashes[1] == hashes[3] and hashes[0] != hashes[1]
-
-
 def test_compressed_trains_and_resumes(tmp_path: Path) -> None:
     ensure_corpus()
     full = run_titan03(
@@ -43,19 +38,15 @@ def test_compressed_trains_and_resumes(tmp_path: Path) -> None:
     losses = full.losses()
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     assert losses[STEPS] < losses[1] - 1.0, losses
-    assert _replicas_identical(full), [r["local_hashes"] for r in full.records]
+    assert hsdp_replicas_identical(full), [r["local_hashes"] for r in full.records]
 
-    same = tmp_path / "same"
-    (same / "checkpoint").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-10", same / "checkpoint" / "step-10")
+    same = checkpoint_from(tmp_path / "full", 10, tmp_path / "same")
     again = run_titan03("llama3_debug_dion3_compressed", same, "--training.steps", str(STEPS), *COMMON, *HSDP, nproc=4)
     assert again.returncode == 0, again.output[-4000:]
     assert again.losses() == {s: losses[s] for s in range(11, STEPS + 1)}  # bitwise-equal floats
-    assert _replicas_identical(again)
+    assert hsdp_replicas_identical(again)
 
-    fsdp = tmp_path / "fsdp"
-    (fsdp / "checkpoint").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-10", fsdp / "checkpoint" / "step-10")
+    fsdp = checkpoint_from(tmp_path / "full", 10, tmp_path / "fsdp")
     two = run_titan03(
         "llama3_debug_dion3",
         fsdp,
