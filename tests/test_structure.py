@@ -3,7 +3,8 @@
 - the core (``optim/``, ``dist/``, ``kernels/``) imports nothing above it (no adapter, no shared
   torchtitan glue) and never torchtitan;
 - no module reaches another through a chain that comes back to it (no circle anywhere);
-- the two torchtitan adapters are sibling folders with the same file names for the same roles.
+- the two torchtitan adapters are sibling folders with the same file names for the same roles;
+- the step's stage methods stay short.
 """
 
 import ast
@@ -114,3 +115,16 @@ def test_adapters_are_parallel():
         "compressed.py",
         "job_config.py",
     }, sorted(top)
+
+
+def test_the_step_reads_as_short_stages():
+    """The step's stages stay small: no method of the pipeline (optim/dion3.py), of the stage
+    interface or of its two implementations, or of the selection, is over 40 lines."""
+    files = ["dion3.py", "stages.py", "stages_engine.py", "stages_reference.py", "selection.py"]
+    long = []
+    for name in files:
+        tree = ast.parse((PACKAGE / "optim" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 40:
+                long.append(f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
