@@ -11,7 +11,8 @@ the reduction so that each replica's gradient is a full-scale estimate: the mean
 is then the gradient FSDP2 would have produced with the all-reduce.
 
 FSDP2 keeps the mesh description per parameter group in attributes it does not document
-(``FSDPParamGroup.mesh_info``, checked by tests/test_upstream_symbols.py).
+(``FSDPParamGroup.mesh_info``); tests/test_dist_replicas.py checks the result against native
+HSDP, so a torch release that moves them fails there.
 """
 
 import copy
