@@ -256,6 +256,8 @@ def _inspecting_trainer() -> type:
 
         def train(self) -> None:
             super().train()
+            # before main's teardown, which frees captured optimizer steps
+            self._record["cuda_graph_captured"] = bool(getattr(self.optimizers, "captured", False))
             self._record["param_digest"] = param_digest(self.model_parts)
             self._record["local_hashes"] = local_hashes(self.model_parts)
             self._write()
