@@ -1,5 +1,6 @@
 """Real torchtitan training with the dion3 plugin: torchrun, 2 gloo ranks on CPU, FSDP2. The
-llama3 and deepseek runs train in turn in one launch (`runs`); gpt_oss, the largest, in its own."""
+llama3 and deepseek runs train in turn in one launch (`runs`), llama3 also with torchtitan's
+compile on (last: torch.compile's state stays in the process); gpt_oss, the largest, in its own."""
 
 import re
 from pathlib import Path
@@ -34,7 +35,10 @@ RUNS = {
         for name in ("muon", "normuon", "prmuon")
     },
     "adamw": (LLAMA, ("--training.steps", "3", "--optimizer.name", "AdamW", "--optimizer.lr", "3e-3")),
+    # the llama3 run's first steps, compiled; total_steps keeps its LR schedule
+    "llama3_compiled": (LLAMA, ("--training.steps", "4", "--lr_scheduler.total_steps", "20", "--compile.enable")),
 }
+COMPILE_RTOL = 1e-4  # fp32: compiled kernels only reorder sums (measured ~1e-7)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,20 @@ def test_llama3_dion3_trains_and_routes_params(runs: dict[str, TitanRun]) -> Non
         assert all(LLAMA_ADAMW.fullmatch(n) for n in g["adamw"]["names"]), g["adamw"]["names"]
         assert g["dion3"]["fraction"] == 0.25 and g["dion3"]["flavor"] == "normuon"
         assert g["adamw"]["lr"] != g["dion3"]["lr"]  # adamw_lr is its own key
+
+
+def test_llama3_compiled_trains_as_uncompiled(runs: dict[str, TitanRun]) -> None:
+    """torchtitan's `compile.enable` (each TransformerBlock and the loss compiled by inductor)
+    with FSDP2 and Dion3: the uncompiled llama3 run's losses, step for step."""
+    run, eager = runs["llama3_compiled"], runs["llama3"]
+    assert run.returncode == 0, run.output[-4000:]
+    for line in ("Compiling each TransformerBlock", "Compiling the loss function"):
+        assert line in run.output and line not in eager.output, line
+    compiled, reference = run.losses(), eager.losses()
+    pairs = {s: (reference.get(s), v) for s, v in compiled.items()}
+    assert sorted(compiled) == [1, 2, 3, 4] and compiled[4] < compiled[1], pairs
+    worst = max(abs(v - reference[s]) / reference[s] for s, v in compiled.items())
+    assert worst <= COMPILE_RTOL, f"relative difference {worst:.2e}; (uncompiled, compiled): {pairs}"
 
 
 def test_deepseek_v3_moe_dion3_trains_experts_as_matrix_batches(runs: dict[str, TitanRun]) -> None:
