@@ -54,6 +54,14 @@ def peak_gb(on_gpu: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
 
 
+def compile_count() -> int:
+    """torch.compile's compilations so far in this process: frames Dynamo compiled (recompiles
+    included) and backward graphs Inductor compiled (lazily, at a graph's first backward)."""
+    from torch._dynamo.utils import compilation_time_metrics as times
+
+    return len(times.get("_compile.compile_inner", ())) + len(times.get("compile_fx.<locals>.bw_compiler", ()))
+
+
 def timing_trainer() -> type:
     from torchtitan.train import Trainer
 
@@ -77,7 +85,9 @@ def timing_trainer() -> type:
             self._record = {
                 "params": sum(p.numel() for m in self.model_parts for p in m.parameters()),
                 "tokens_per_step": job_config.training.local_batch_size * job_config.training.seq_len,
+                "compiled": bool(job_config.compile.enable),
                 "cuda_graph": self._captures(),
+                "cuda_graph_captured": False,  # set at the end of training
                 "steps": [],
             }
 
@@ -97,10 +107,13 @@ def timing_trainer() -> type:
             self._sync()
             step_ms = (time.perf_counter() - t0) * 1e3
             entry = {"step": self.step, "step_ms": step_ms, "optimizer_ms": self._timer.last_ms(), **self._pending}
+            entry["compiles"] = compile_count()
             self._record["steps"].append(entry)
 
         def train(self) -> None:
             super().train()
+            # before main's teardown, which frees captured graphs
+            self._record["cuda_graph_captured"] = bool(getattr(self.optimizers, "captured", False))
             if torch.distributed.get_rank() == 0:
                 path = Path(self.job_config.job.dump_folder) / RECORD
                 path.write_text(json.dumps(self._record))

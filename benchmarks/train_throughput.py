@@ -14,7 +14,11 @@ written to `outputs/bench_train/<name>/config.toml` (beside the run's log) and i
   * precision: on one GPU torchtitan applies no FSDP; it trains fp32 parameters under bf16
     autocast (its AMP path); on a CPU everything is fp32;
   * optimizer step: captured in a CUDA graph where the plugin's default does so (the Dion3
-    engine on a GPU), eager elsewhere (AdamW is torchtitan's own, never captured).
+    engine on a GPU), eager elsewhere (AdamW is torchtitan's own, never captured);
+  * the "+compile" rows: torchtitan's ``[compile] enable = true`` with components model and
+    loss (each TransformerBlock and the loss compiled by torch.compile, inductor), beside the
+    captured optimizer step. Compilation happens in the first step, inside the untimed warm-up;
+    the child counts compilations per step and a row that compiled during its timed steps fails.
 
 Measured per step (the Trainer subclass, rank 0):
   * step ms: wall time of torchtitan's ``train_step`` (next batch, forward, backward, clipping,
@@ -29,9 +33,10 @@ Measured per step (the Trainer subclass, rank 0):
     process's peak RSS.
 The parent reports medians over the steps after the first ``--warmup``: tokens/s (tokens per
 step over the median step time), step ms with its quartiles, optimizer ms and the optimizer's
-share (median over steps of optimizer ms / step ms).
+share (median over steps of optimizer ms / step ms), and the loss of the first and last steps
+(the loss must fall).
 
-    python scripts/bench_train.py --out results/          # one GPU: 4 optimizers, ~3.5 min
+    python scripts/bench_train.py --out results/          # one GPU: 7 runs
     python scripts/bench_train.py --tiny                  # CPU smoke test: tiny model, 4 steps
 
 A Markdown table goes to stdout; JSON (bench_train_<model>.json) to ``--out`` (a folder or a
@@ -75,6 +80,7 @@ class Run:
     label: str
     config: str  # the project config it starts from: configs/llama3_debug[_gpu]_<config>.toml
     optimizer: dict = field(default_factory=dict)  # [optimizer] keys changed from that config
+    compile: bool = False  # torchtitan's [compile] enable, components model and loss
 
 
 RUNS = [
@@ -82,7 +88,11 @@ RUNS = [
     Run("muon", "Muon (Dion3 engine, f = 1, Muon flavor)", "muon"),
     Run("dion3_f1", "Dion3 f = 1 (NorMuon)", "dion3", {"fraction": 1.0}),
     Run("dion3_f1/4", "Dion3 f = 1/4 (NorMuon)", "dion3", {"fraction": 0.25}),
+    Run("dion3_f1/8", "Dion3 f = 1/8 (NorMuon)", "dion3", {"fraction": 0.125}),
+    Run("adamw+compile", "AdamW (torchtitan's), compiled", "adamw", compile=True),
+    Run("dion3_f1/4+compile", "Dion3 f = 1/4 (NorMuon), compiled", "dion3", {"fraction": 0.25}, compile=True),
 ]
+COMPILE_COMPONENTS = ["model", "loss"]  # torchtitan's [compile] components of the "+compile" rows
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -142,6 +152,7 @@ def job_config(run: Run, args: argparse.Namespace, corpus: Path, dump: Path, on_
     cfg["validation"]["enable"] = False
     cfg["checkpoint"]["enable"] = False
     cfg["optimizer"].update(run.optimizer)
+    cfg.setdefault("compile", {}).update(enable=run.compile, components=COMPILE_COMPONENTS)
     return cfg
 
 
@@ -195,23 +206,43 @@ def launch(config: Path, margs: dict, log: Path, timeout_s: float) -> tuple[int,
     return rc, time.perf_counter() - t0
 
 
+def compiles_in(steps: list[dict], warmup: int) -> tuple[int, int]:
+    """torch.compile's compilations during the warm-up steps and during the timed steps (the
+    child records a running count at the end of every step)."""
+    before = steps[warmup - 1]["compiles"] if warmup else 0
+    return before, steps[-1]["compiles"] - before
+
+
 def summarize(run: Run, record: dict, warmup: int) -> dict:
-    """The row of one finished run: medians over the steps after ``warmup``."""
+    """The row of one finished run: medians over the steps after ``warmup``. A row that
+    compiled during its timed steps is marked failed (its times include compilation), and so is
+    a compiled row whose compilations were not counted (that check could not fail then)."""
     timed = record["steps"][warmup:]
     step_ms = [s["step_ms"] for s in timed]
     opt_ms = [s["optimizer_ms"] for s in timed]
     q1, median, q3 = quartiles(step_ms)
+    warm_compiles, timed_compiles = compiles_in(record["steps"], warmup)
+    status = "ok"
+    if timed_compiles:
+        status = f"failed: {timed_compiles} compilations in timed steps (raise --warmup)"
+    elif record["compiled"] and not warm_compiles:  # the count itself is broken (train_child.compile_count)
+        status = "failed: compiled, but no compilation counted"
     return {
         "name": run.name,
         "label": run.label,
-        "status": "ok",
+        "status": status,
+        "compiled": record["compiled"],
+        "compiles_in_warmup": warm_compiles,
+        "compiles_in_timed_steps": timed_compiles,
         "cuda_graph": record["cuda_graph"],
+        "cuda_graph_captured": record["cuda_graph_captured"],
         "tokens_per_s": record["tokens_per_step"] / (median / 1e3),
         "step_ms": median,
         "step_ms_iqr": [q1, q3],
         "optimizer_ms": statistics.median(opt_ms),
         "optimizer_share": statistics.median(o / s for o, s in zip(opt_ms, step_ms, strict=True)),
         "peak_gb": max(s["peak_gb"] for s in record["steps"]),
+        "first_loss": record["steps"][0]["loss"],
         "final_loss": record["steps"][-1]["loss"],
         "timed_steps": len(timed),
         "record": record,
@@ -238,22 +269,36 @@ def run_one(run: Run, args: argparse.Namespace, corpus: Path, folder: Path, on_g
         return {"name": run.name, "label": run.label, "status": f"failed: {why}", "wall_s": wall, "config": cfg}
     row = summarize(run, json.loads(record_path.read_text()), args.warmup)
     row.update(wall_s=wall, config=cfg)
-    print(f"   {row['tokens_per_s']:.0f} tokens/s, step {row['step_ms']:.1f} ms, {wall:.0f} s", flush=True)
+    print(
+        f"   {row['tokens_per_s']:.0f} tokens/s, step {row['step_ms']:.1f} ms, loss {row['first_loss']:.3f} -> "
+        f"{row['final_loss']:.3f}, {wall:.0f} s{'' if row['status'] == 'ok' else ' ' + row['status'].upper()}",
+        flush=True,
+    )
     return row
 
 
+def graph_cell(row: dict) -> str:
+    if not row["cuda_graph"]:
+        return ""
+    return "yes" if row["cuda_graph_captured"] else "not captured"
+
+
 def markdown(rows: list[dict], memory: str) -> str:
-    head = f"| Optimizer | CUDA graph | tokens/s | step ms (IQR) | optimizer ms | optimizer share | {memory} GB | loss at end |"
-    lines = [head, "|---|:-:|--:|--:|--:|--:|--:|--:|"]
+    head = (
+        f"| Optimizer | compiled | CUDA graph | tokens/s | step ms (IQR) | optimizer ms | optimizer share "
+        f"| {memory} GB | loss at step 1 | loss at end |"
+    )
+    lines = [head, "|---|:-:|:-:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
-        if r["status"] != "ok":
-            lines.append(f"| {r['label']} | | {r['status']} | | | | | |")
+        if "step_ms" not in r:  # the run did not finish
+            lines.append(f"| {r['label']} | | | {r['status']} | | | | | | |")
             continue
         iqr = f"{fmt(r['step_ms'], '.1f', 0)} ({r['step_ms_iqr'][0]:.1f}-{r['step_ms_iqr'][1]:.1f})"
+        tokens = fmt(r["tokens_per_s"], ".0f", 0) if r["status"] == "ok" else r["status"]
         lines.append(
-            f"| {r['label']} | {'yes' if r['cuda_graph'] else ''} | {fmt(r['tokens_per_s'], '.0f', 0)} | {iqr} | "
+            f"| {r['label']} | {'yes' if r['compiled'] else ''} | {graph_cell(r)} | {tokens} | {iqr} | "
             f"{fmt(r['optimizer_ms'], '.2f', 0)} | {fmt(100 * r['optimizer_share'], '.1f', 0)}% | "
-            f"{fmt(r['peak_gb'], '.1f', 0)} | {fmt(r['final_loss'], '.3f', 0)} |"
+            f"{fmt(r['peak_gb'], '.1f', 0)} | {fmt(r['first_loss'], '.3f', 0)} | {fmt(r['final_loss'], '.3f', 0)} |"
         )
     return "\n".join(lines)
 
@@ -267,6 +312,9 @@ def meta(args: argparse.Namespace, corpus: Path, on_gpu: bool) -> dict:
         "local_batch_size": args.batch,
         "steps": args.steps,
         "warmup_steps_untimed": args.warmup,
+        "warmup_covers": "kernel compilation, the optimizer graph's eager steps and capture, and torch.compile "
+        "(+compile rows; compilations are counted per step and must all fall in the warm-up)",
+        "compile_components": COMPILE_COMPONENTS,
         "corpus": str(corpus.relative_to(ROOT)),
         "device": device_name(torch.device("cuda" if on_gpu else "cpu")),
         "precision": "bf16 autocast (torchtitan AMP), fp32 parameters" if on_gpu else "fp32",

@@ -1,6 +1,7 @@
 """Smoke test of scripts/bench_train.py (benchmarks/train_throughput.py) on the CPU: real
-torchtitan training of a tiny llama3 with AdamW and Dion3 f = 1/4, 4 steps each, one process per
-run. Every row must come back measured, with positive numbers and a finite loss."""
+torchtitan training of a tiny llama3 with AdamW, Dion3 f = 1/4 and 1/8, and Dion3 f = 1/4 with
+torchtitan's compile on, 4 steps each, one process per run. Every row must come back measured,
+with positive numbers and finite losses; the compiled row compiles in its warm-up only."""
 
 import json
 import math
@@ -14,9 +15,9 @@ import pytest
 from benchmarks import train_throughput as bench
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ("adamw", "dion3_f1/4")
+RUNS = ("adamw", "dion3_f1/4", "dion3_f1/8", "dion3_f1/4+compile")
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def result(tmp_path_factory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("bench_train") / "tiny.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--tiny", "--only", ",".join(RUNS)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
+    proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout, json.loads(out.read_text())
 
@@ -42,17 +43,49 @@ def test_rows_are_measured(result: tuple[str, dict]) -> None:
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["optimizer_ms"] > 0
         assert 0 < r["optimizer_share"] < 1  # the optimizer is part of the step
         assert r["step_ms_iqr"][0] <= r["step_ms"] <= r["step_ms_iqr"][1]
-        assert r["peak_gb"] > 0 and math.isfinite(r["final_loss"])
-        assert r["cuda_graph"] is False  # no GPU
+        assert r["peak_gb"] > 0 and math.isfinite(r["first_loss"]) and math.isfinite(r["final_loss"])
+        assert r["first_loss"] == r["record"]["steps"][0]["loss"]
+        assert r["cuda_graph"] is False and r["cuda_graph_captured"] is False  # no GPU
         assert r["record"]["tokens_per_step"] == 2 * 64  # --tiny: batch 2, seq 64
-    # the runs differ only in the optimizer: same model
-    assert rows["adamw"]["record"]["params"] == rows["dion3_f1/4"]["record"]["params"] > 0
+        compiled = r["name"].endswith("+compile")
+        assert r["compiled"] is compiled and r["config"]["compile"]["enable"] is compiled
+        assert r["compiles_in_timed_steps"] == 0
+        # torch.compile compiles in the first step (forward graphs of a block and of the loss)
+        assert (r["record"]["steps"][0]["compiles"] >= 2) if compiled else r["compiles_in_warmup"] == 0
+    # the runs differ only in the optimizer and compile: same model
+    assert len({r["record"]["params"] for r in rows.values()}) == 1 and rows["adamw"]["record"]["params"] > 0
     assert rows["dion3_f1/4"]["config"]["optimizer"]["fraction"] == 0.25
+    assert rows["dion3_f1/8"]["config"]["optimizer"]["fraction"] == 0.125
+    # compiled training is the same training (fp32: kernels only reorder sums)
+    eager, compiled = ([s["loss"] for s in rows[n]["record"]["steps"]] for n in ("dion3_f1/4", "dion3_f1/4+compile"))
+    assert compiled == pytest.approx(eager, rel=1e-4), (eager, compiled)
+
+
+def test_compiling_in_timed_steps_fails_the_row() -> None:
+    """A compilation after the warm-up (a recompile) would put compile time into the medians; a
+    compiled row with no compilation counted means the count is broken."""
+    run = next(r for r in bench.RUNS if r.compile)
+    steps = [{"step_ms": 10.0, "optimizer_ms": 1.0, "peak_gb": 1.0, "loss": 8.0, "compiles": c} for c in (3, 3, 4, 4)]
+    record = {
+        "steps": steps,
+        "compiled": True,
+        "cuda_graph": False,
+        "cuda_graph_captured": False,
+        "tokens_per_step": 128,
+    }
+    late = bench.summarize(run, record, warmup=2)
+    assert late["status"].startswith("failed: 1 compilations in timed steps") and late["compiles_in_warmup"] == 3
+    assert bench.summarize(run, record, warmup=3)["status"] == "ok"
+    assert bench.summarize(run, record, warmup=0)["compiles_in_timed_steps"] == 4
+    for step in steps:
+        step["compiles"] = 0
+    assert bench.summarize(run, record, warmup=2)["status"] == "failed: compiled, but no compilation counted"
 
 
 def test_table(result: tuple[str, dict]) -> None:
     stdout, _ = result
-    assert "| Optimizer | CUDA graph | tokens/s |" in stdout
+    assert "| Optimizer | compiled | CUDA graph | tokens/s |" in stdout and "| loss at step 1 | loss at end |" in stdout
+    assert "| Dion3 f = 1/4 (NorMuon), compiled | yes |" in stdout
     for run in bench.RUNS:
         assert (f"| {run.label} |" in stdout) == (run.name in RUNS)
 
@@ -69,3 +102,14 @@ def test_config_round_trips_through_toml(tmp_path: Path) -> None:
             assert bench.tomllib.loads(path.read_text()) == cfg
             assert cfg["model"]["flavor"] == bench.FLAVOR and not cfg["validation"]["enable"]
             assert cfg["training"]["seq_len"] == 64 and cfg["training"]["local_batch_size"] == 2
+            assert cfg["compile"] == {"enable": run.compile, "components": ["model", "loss"]}
+
+
+def test_only_picks_runs_and_default_is_all() -> None:
+    assert bench.selected_runs(None) == bench.RUNS
+    names = [r.name for r in bench.RUNS]
+    assert {"dion3_f1/8", "adamw+compile", "dion3_f1/4+compile"} <= set(names) and len(set(names)) == len(names)
+    picked = bench.selected_runs("dion3_f1/4+compile,adamw+compile")
+    assert [r.name for r in picked] == ["adamw+compile", "dion3_f1/4+compile"] and all(r.compile for r in picked)
+    with pytest.raises(SystemExit, match="unknown run"):
+        bench.selected_runs("adamw,dion3+compile")
