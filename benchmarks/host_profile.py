@@ -1,9 +1,11 @@
 """Where the host time of an eager optimizer step goes, on the Llama shapes of
 scripts/bench_step.py: the step's host time (perf_counter around ``step()`` on an idle device,
-no sync of ours inside), the device launches it makes (torch.profiler, by kind), and a
-cProfile of the same steps (top functions by own time).
+no sync of ours inside) and the time until the device finishes it, for each layer count given
+(the row engine launches per shape group, so the launches do not grow with layers: a host time
+that does grow is the host waiting for the device's launch queue); the host time of each stage
+(perf_counter wrappers); the device launches (torch.profiler, by kind); and a cProfile.
 
-    python scripts/profile_host.py --model 7b --layers 8 --flavor normuon --fraction 0.25   # one GPU
+    python scripts/profile_host.py --model 7b --layers 1,8 --flavor normuon --fraction 0.25   # one GPU
 """
 
 import argparse
@@ -23,26 +25,86 @@ from benchmarks.step import model_shape, parse_args
 from benchmarks.step_configs import BenchConfig
 from benchmarks.step_runners import make_runner
 
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
-            "cudaMemsetAsync", "cudaLaunchCooperativeKernel")
+LAUNCHES = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchKernelExC",
+    "cudaMemcpyAsync",
+    "cudaMemsetAsync",
+    "cudaLaunchCooperativeKernel",
+)
 
 
-def host_times(step, grads: GradFiller, repeats: int) -> list[float]:
-    out = []
+def host_times(step, grads: GradFiller, repeats: int) -> tuple[list[float], list[float]]:
+    """(host ms of each step, ms from the host's return to the device's end of the step)."""
+    host, tail = [], []
     for _ in range(repeats):
         grads.fill()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
-        out.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return out
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e3)
+        tail.append((time.perf_counter() - t1) * 1e3)
+    return host, tail
+
+
+STAGES = {  # (module, qualified name) of what one eager step calls, timed on the host
+    "dion3_titan.optim.nonfinite": [
+        "NonfiniteGuard.check",
+        "NonfiniteGuard.resolve",
+        "NonfiniteGuard.orthogonalized",
+        "NonfiniteGuard.publish",
+    ],
+    "dion3_titan.optim.dion3": [
+        "Dion3._adamw_step",
+        "Dion3._accumulate",
+        "Dion3._orthogonalize",
+        "Dion3._group_step",
+        "Dion3._step_factors",
+        "Dion3.load_hyperparameters",
+    ],
+    "dion3_titan.optim.selection": ["RowSelector.select", "RowSelector.seed"],
+    "dion3_titan.optim.stages_engine": ["RowEngineStages.pack", "RowEngineStages.normalize", "RowEngineStages.update"],
+    "dion3_titan.optim.observe": ["Observer.record"],
+}
+
+
+def timed_stages() -> dict[str, list[float]]:
+    """Wrap each STAGES method with a perf_counter timer; returns name -> [seconds, calls]."""
+    import importlib
+
+    totals: dict[str, list[float]] = {}
+    for module, names in STAGES.items():
+        mod = importlib.import_module(module)
+        for qual in names:
+            cls_name, meth = qual.split(".")
+            cls = getattr(mod, cls_name, None)
+            fn = getattr(cls, meth, None) if cls is not None else None
+            if fn is None:
+                continue
+            totals[qual] = [0.0, 0]
+
+            def wrapper(*args, _fn=fn, _acc=totals[qual], **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    _acc[0] += time.perf_counter() - t0
+                    _acc[1] += 1
+
+            setattr(cls, meth, wrapper)
+    return totals
 
 
 def launch_counts(step, grads: GradFiller) -> Counter:
     grads.fill()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         step()
         torch.cuda.synchronize()
     counts: Counter = Counter()
@@ -56,10 +118,21 @@ def launch_counts(step, grads: GradFiller) -> Counter:
     return counts, kernels
 
 
+def build(model_name: str, layers: str, options: dict, device, mesh) -> tuple:
+    """(step, gradient filler) of an eager Dion3 on the model's shapes, warmed up (kernels
+    compiled, tables built)."""
+    _, shape, _ = model_shape(parse_args(["--model", model_name, "--layers", layers]))
+    model = build_model(shape, device, mesh, 0)
+    grads = GradFiller(model, device, 1)
+    step = make_runner(BenchConfig("x", "x", "dion3", options), model, device, None).step
+    host_times(step, grads, 4)
+    return step, grads
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="7b")
-    p.add_argument("--layers", default="8")
+    p.add_argument("--layers", default="1,8", help="comma-separated layer counts (the last is profiled)")
     p.add_argument("--flavor", default="normuon")
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--repeats", type=int, default=15)
@@ -67,19 +140,31 @@ def main() -> None:
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (it times host time against an asynchronous device)")
-    args = parse_args(["--model", a.model, "--layers", a.layers])
     device, mesh = init_distributed("cuda")
-    _, shape, _ = model_shape(args)
-    model = build_model(shape, device, mesh, 0)
-    grads = GradFiller(model, device, 1)
-    options = {"flavor": a.flavor, "weight_decay": 0.01, "fraction": a.fraction, "ns_algorithm": "gram",
-               "backend": "auto"}
-    runner = make_runner(BenchConfig("x", "x", "dion3", options), model, device, None)
-    host_times(runner.step, grads, 4)  # compile kernels, build tables
-    times = host_times(runner.step, grads, a.repeats)
-    print(f"{torch.cuda.get_device_name(device)}, {a.model} x {a.layers} layers, {a.flavor} f={a.fraction:g}")
-    print(f"eager host ms: median {statistics.median(times):.2f}  min {min(times):.2f}  max {max(times):.2f}")
-    counts, kernels = launch_counts(runner.step, grads)
+    options = {"flavor": a.flavor, "weight_decay": 0.01, "fraction": a.fraction, "ns_algorithm": "gram"}
+    print(f"{torch.cuda.get_device_name(device)}, {a.model} shapes, {a.flavor} f={a.fraction:g}")
+    layer_counts = a.layers.split(",")
+    for layers in layer_counts:
+        step, grads = build(a.model, layers, options, device, mesh)
+        host, tail = host_times(step, grads, a.repeats)
+        print(
+            f"{layers} layers: eager host ms median {statistics.median(host):.2f} (min {min(host):.2f}, max "
+            f"{max(host):.2f}); the device is busy {statistics.median(tail):.2f} ms after the return",
+            flush=True,
+        )
+        del step, grads
+        torch.cuda.empty_cache()
+
+    totals = timed_stages()
+    step, grads = build(a.model, layer_counts[-1], options, device, mesh)
+    for v in totals.values():
+        v[0], v[1] = 0.0, 0
+    host, _ = host_times(step, grads, a.repeats)
+    print(f"host ms per step by stage ({layer_counts[-1]} layers, step median {statistics.median(host):.2f}):")
+    for qual, (sec, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {qual:36s} {sec * 1e3 / a.repeats:7.2f} ms  {calls / a.repeats:5.1f} calls")
+
+    counts, kernels = launch_counts(step, grads)
     print("launch API calls per step:", dict(counts), "total", sum(counts.values()))
     print("device kernels per step, by name:")
     for name, n in kernels.most_common(40):
@@ -89,7 +174,7 @@ def main() -> None:
     torch.cuda.synchronize()
     prof.enable()
     for _ in range(5):
-        runner.step()
+        step()
     prof.disable()
     torch.cuda.synchronize()
     for key in ("tottime", "cumulative"):

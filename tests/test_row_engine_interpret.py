@@ -169,7 +169,7 @@ def _checks(seed: int) -> list[dict]:
                     )
 
     # NorMuon factors against update.normuon_normalize
-    for K, C in [(12, 80), (7, 33)]:
+    for K, C in [(12, 80), (7, 33), (1100, 8)]:  # 1100: more rows than one block of the factors kernel
         o = torch.randn(3, K, C).half()
         v = torch.rand(3, K)
         den, scale, v_new = engine.normuon_factors(o, v, 0.95, 1e-8, C)

@@ -141,6 +141,7 @@ class Dion3(torch.optim.Optimizer):
         self._state_version = 0
         self.observer = Observer()  # what optimizer metrics read (off unless enabled)
         self.kernel_tables = engine.TableCache()  # the row engine's per-group kernel tables
+        self._views: dict[tuple[int, int], tuple] = {}  # (id(group), state_version) -> member views
         self._reference, self._row_engine = ReferenceStages(), RowEngineStages()
 
     def _init_state(self) -> None:
@@ -293,10 +294,11 @@ class Dion3(torch.optim.Optimizer):
         self.observer.count_step(self.nonfinite.ok)
         self.selector.seed(groups, self._configs, self.param_groups)
         stats = self._accumulate(groups)
+        factors = {gi: self._step_factors(gi) for gi in dict.fromkeys(sg.group_index for sg in groups)}
         for sg in groups:
-            self._step_group(sg, stats.get(id(sg)))
+            self._step_group(sg, stats.get(id(sg)), factors[sg.group_index])
 
-    def _step_group(self, sg: ShapeGroup, stats: RowStats | None) -> None:
+    def _step_group(self, sg: ShapeGroup, stats: RowStats | None, factors: Factors) -> None:
         """Stages 2-8 of one shape group."""
         g, stages, moves, replicas = self._group_step(sg), self._stages(sg), sg.moves_data, sg.replicas
         agree = replicas.agree if replicas is not None and replicas.mean else None  # compressed sync
@@ -317,7 +319,6 @@ class Dion3(torch.optim.Optimizer):
         norm = stages.normalize(g, ortho, owned_v, void, moves)  # 6. normalize (the flavor's)
         result, result_v = sg.exchange.scatter(norm.rows, norm.row_data)  # 7. exchange back
         result = result[:, : sg.selected, : sg.local_cols]
-        factors = self._step_factors(sg.group_index)
         stages.update(g, sel, result, result_v, norm, factors, backend, void)  # 8. update
         self.observer.record(g, sel, result, norm, factors.lr, void)
 
@@ -334,19 +335,36 @@ class Dion3(torch.optim.Optimizer):
     def _group_step(self, sg: ShapeGroup) -> GroupStep:
         cfg = self._configs[sg.group_index]
         flavor = FLAVORS[cfg.flavor]
-        members = sg.members
+        momenta, weights, row_states = self._member_views(sg, flavor)
         return GroupStep(
             sg,
             cfg,
             self._ns[sg.group_index],
             flavor,
-            momenta=[m.view(self._momentum(m.param)) for m in members],
-            weights=[m.view(to_local(m.param)) for m in members],
-            row_states=[flavor.rows_state(self.state[m.param], m) for m in members] if flavor.row_data else None,
-            active=[m.param.grad is not None for m in members],
+            momenta=momenta,
+            weights=weights,
+            row_states=row_states,
+            active=[m.param.grad is not None for m in sg.members],
             guard=self.nonfinite,
             tables=self.kernel_tables,
         )
+
+    def _member_views(self, sg: ShapeGroup, flavor) -> tuple[list, list, list | None]:
+        """The members' local views of momentum, weight and per-row state. Kept from step to
+        step (per-matrix Python is most of an eager step's host time): they change only when
+        the state tensors are replaced, which bumps ``state_version``."""
+        key = (id(sg), self._state_version)
+        views = self._views.get(key)
+        if views is None:
+            members = sg.members
+            views = (
+                [m.view(self._momentum(m.param)) for m in members],
+                [m.view(to_local(m.param)) for m in members],
+                [flavor.rows_state(self.state[m.param], m) for m in members] if flavor.row_data else None,
+            )
+            self._views = {k: v for k, v in self._views.items() if k[1] == self._state_version}
+            self._views[key] = views
+        return views
 
     def _stages(self, sg: ShapeGroup) -> Stages:
         """The implementation of the stages that serves this shape group."""

@@ -129,16 +129,9 @@ def normuon_factors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NorMuon (update.normuon_normalize) as factors for the update kernel's epilogue: returns
     (row denominators sqrt(v_new) + eps (N, K), matrix scales ||o|| / ||o_hat|| (N,), v_new),
-    from one pass over o for its rows' sums of squares. ``void`` (N,): matrices taken as zero."""
-    rowsq = row_sumsq(o)
-    if void is not None:
-        rowsq = torch.where(void[:, None], 0.0, rowsq)
-    v_new = v.float() * beta2 + (1.0 - beta2) * rowsq / cols
-    den = v_new.sqrt() + eps
-    norm_o = rowsq.sum(dim=1).sqrt()
-    norm_hat = (rowsq / den.square()).sum(dim=1).sqrt()
-    scale = norm_o / norm_hat.clamp_min(torch.finfo(torch.float32).tiny)
-    return den, scale, v_new
+    from one pass over o for its rows' sums of squares and one small launch for the rest.
+    ``void`` (N,): matrices taken as zero."""
+    return rk.normuon_factors(row_sumsq(o), v, beta2, eps, cols, void)
 
 
 def slots(rows: torch.Tensor, valid: torch.Tensor | None, num_rows: int) -> torch.Tensor:

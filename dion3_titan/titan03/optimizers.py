@@ -201,6 +201,13 @@ class Dion3Optimizers(OptimizersContainer):
             else:
                 runner.step()
 
+    @property
+    def captured(self) -> bool:
+        """Whether the step is being replayed now: every captured step runner holds its graph
+        (after ``cuda_graph_warmup`` eager steps, until the graphs are released)."""
+        graphed = [r for r in self._runners if isinstance(r, GraphedOptimizer)]
+        return bool(graphed) and all(r.graph is not None for r in graphed)
+
     def align_step(self, step: int) -> None:
         """The trainer's step, so that the logging steps stay aligned with it after a resume."""
         self._step = step
