@@ -3,15 +3,15 @@
 Under compressed sync (paper Sec. 7) FSDP2 reduces gradients within each HSDP replica only
 (dist/fsdp.py) and the optimizer agrees across replicas on the selected momentum rows. The
 trainer's gradient clipping then sees each replica's own gradients, so its norm would differ
-between replicas and so would the clip factor: ``prepare`` also makes torchtitan's
-``clip_grad_norm_`` clip by one replica-consistent norm, the root mean square over replicas of
-each replica's gradient norm (each replica's gradient is a full-scale estimate of the synced
-one). By the triangle inequality it is at least the norm of the synced gradient (the mean of the
-replicas' gradients), and equal to it when the replicas' gradients agree: clipping is never
-weaker than under gradient sync.
+between replicas and so would the clip factor: torchtitan's ``clip_grad_norm_`` clips them by
+one replica-consistent norm instead (``replica_norm``, applied by clipping.py for a container
+installed with ``replica_consistent``), the root mean square over replicas of each replica's
+gradient norm (each replica's gradient is a full-scale estimate of the synced one). By the
+triangle inequality it is at least the norm of the synced gradient (the mean of the replicas'
+gradients), and equal to it when the replicas' gradients agree: clipping is never weaker than
+under gradient sync.
 """
 
-import inspect
 import math
 
 import torch
@@ -23,15 +23,14 @@ from dion3_titan.dist.replicas import replicate_dims
 
 
 def prepare(model_parts: list[nn.Module]) -> None:
-    """Turn FSDP2's all-reduce across replicas off for every model part and make torchtitan's
-    gradient clipping replica-consistent. ValueError (one line) when the model is not HSDP."""
+    """Turn FSDP2's all-reduce across replicas off for every model part. ValueError (one
+    line) when the model is not HSDP."""
     if not sum(reduce_within_replicas(m) for m in model_parts):
         raise ValueError(
             "[optimizer] replicate_sync='compressed' needs HSDP (FSDP2 over a replicas x shards mesh: "
             "data_parallel_replicate_degree > 1 and data_parallel_shard_degree > 1); this model has no "
             "such FSDP2 module; use replicate_sync='gradients'"
         )
-    _clip_by_replica_norm()
 
 
 def replica_norm(norm: torch.Tensor, params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -49,25 +48,3 @@ def replica_norm(norm: torch.Tensor, params: list[torch.Tensor], norm_type: floa
     out = norm.double() ** norm_type
     dist.all_reduce(out, group=group)
     return ((out / dist.get_world_size(group)) ** (1.0 / norm_type)).to(norm.dtype)
-
-
-def _clip_by_replica_norm() -> None:
-    import torchtitan.distributed.utils as dist_utils
-
-    clip = dist_utils.clip_grad_norm_
-    if getattr(clip, "_dion3", False):
-        return
-    signature = inspect.signature(clip)
-
-    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        bound = signature.bind(params, max_norm, *args, **kwargs)
-        bound.apply_defaults()
-        bound.arguments["max_norm"] = math.inf  # each replica's own norm, nothing clipped yet
-        norm = replica_norm(clip(*bound.args, **bound.kwargs), params, bound.arguments["norm_type"])
-        grads = [p for p in params if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=bound.arguments.get("foreach"))
-        return norm
-
-    clip_grad_norm_._dion3 = True  # type: ignore[attr-defined]
-    dist_utils.clip_grad_norm_ = clip_grad_norm_

@@ -1,7 +1,9 @@
 """A NaN in one gradient on one rank of a 2-rank FSDP run: "raise" fails on every rank with the
 parameter's name (no hang); "skip" leaves every parameter and every optimizer state tensor
-(matrices and AdamW) bit-identical and the next step trains normally. Eager steps, and the
-step body a CUDA graph captures (its flag read at the next step)."""
+(matrices and AdamW) bit-identical and the next step trains normally. Eager steps, the step
+body a CUDA graph captures (its flag read at the next step), and eager steps given the global
+gradient norm as torchtitan's clipping computes it (the flag from the norm: no pass, no
+all-reduce of the flag; "raise" says the norm was not finite)."""
 
 from pathlib import Path
 
@@ -54,7 +56,10 @@ def _worker(rank, world, mode, path, out_path):
     shapes = [tuple(p.shape) for p in params]
 
     def step(opt):
-        if path == "eager":
+        if path == "norm":  # torchtitan's clipping: the norm of the DTensor gradients, reduced
+            grads = [p.grad for g in opt.param_groups for p in g["params"]]
+            opt.use_gradient_norm(torch.nn.utils.get_total_norm(grads).full_tensor())
+        if path in ("eager", "norm"):
             opt.step()
         else:  # what GraphedOptimizer does around a replay
             opt.nonfinite.resolve()
@@ -108,12 +113,13 @@ def _worker(rank, world, mode, path, out_path):
             "same_after": same_after,
             "skipped": opt.skipped_steps,
             "as_if_never": as_if_never,
+            "sources": opt.nonfinite.flag_sources,
         },
         f"{out_path}.{rank}",
     )
 
 
-MODES, PATHS = ["raise", "skip"], ["eager", "deferred"]
+MODES, PATHS = ["raise", "skip"], ["eager", "deferred", "norm"]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +142,10 @@ def test_nan_gradient_on_one_rank(runs, mode, path):
             # raised by the next step, before its body (no step waits on the device)
             assert [s for s, _ in r["messages"]] == [3], r["messages"]
             message = r["messages"][0][1]
-            assert "a0" in message and "rank 1" in message, message
+            if path == "norm":
+                assert "gradient norm of step 3 " in message and "is nan" in message, message
+            else:
+                assert "a0" in message and "rank 1" in message, message
             changed = [i for i, same in enumerate(r["same_after"]) if not same]
             assert not changed, f"parameters or state tensors {changed} changed by a non-finite step"
         else:
@@ -149,3 +158,5 @@ def test_nan_gradient_on_one_rank(runs, mode, path):
             # ... and every parameter and state tensor is what a run without the bad step holds
             differ = [i for i, same in enumerate(r["as_if_never"]) if not same]
             assert not differ, f"parameters or state tensors {differ} differ from a run without the bad step"
+        if path == "norm":  # every step took its flag from the norm
+            assert r["sources"]["own_pass"] == 0 and r["sources"]["gradient_norm"] >= 3, r["sources"]

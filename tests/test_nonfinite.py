@@ -266,3 +266,103 @@ def test_ns_restarts_reach_newton_schulz(monkeypatch, restarts):
     opt = _build(Dion3, "raise", fraction=0.5, ns_algorithm="gram", ns_restarts=restarts)
     _run(opt, 2, "eager", bad_step=-1)
     assert ops.grams == 2 * len(opt._groups) * (1 + len(restarts)), (ops.grams, len(opt._groups))
+
+
+# ------------------------------------------------------------------------------ a given gradient norm
+def _total_norm(opt) -> torch.Tensor:
+    """What torchtitan's clipping hands over: the 2-norm of every gradient of the step."""
+    return torch.nn.utils.get_total_norm([p.grad for g in opt.param_groups for p in g["params"]])
+
+
+def _step_given(opt, path, norm):
+    opt.use_gradient_norm(norm)
+    (opt.step if path == "eager" else lambda: _deferred_step(opt))()
+
+
+@pytest.mark.parametrize("path", ["eager", "deferred"])
+def test_a_finite_given_norm_steps_as_the_own_pass_does(path):
+    """Given the true norm, every step is bit for bit the step the optimizer's own pass takes,
+    and each says where its flag came from."""
+    given, own = (_build(Dion3, "skip", flavor="normuon", fraction=0.25) for _ in range(2))
+    for step in range(4):
+        _set_grads(given, step)
+        _step_given(given, path, _total_norm(given))
+        _set_grads(own, step)
+        (own.step if path == "eager" else lambda: _deferred_step(own))()
+    _assert_same(_snapshot(own), _snapshot(given))
+    assert given.nonfinite.flag_sources == {"gradient_norm": 4, "own_pass": 0}
+    assert own.nonfinite.flag_sources == {"gradient_norm": 0, "own_pass": 4}
+    assert given.skipped_steps == 0
+
+
+@pytest.mark.parametrize("path", ["eager", "deferred"])
+@pytest.mark.parametrize("bad", ["inf", "nan", "overflow"])
+def test_a_nonfinite_given_norm_skips_bit_identical_and_as_if_never_taken(path, bad):
+    """The norm decides: finite gradients with an inf/NaN norm (or one beyond float32, which
+    counts as non-finite) skip the step, every state bit unchanged and the host counters rolled
+    back, and the run goes on as one that never took it."""
+    opt = _build(Dion3, "skip", flavor="normuon", fraction=0.25)
+    ref = _build(Dion3, "skip", flavor="normuon", fraction=0.25)
+    _run(opt, BAD_STEP, path)
+    before = _snapshot(opt)
+    _set_grads(opt, BAD_STEP)  # finite gradients
+    norm = {"inf": torch.tensor(float("inf")), "nan": torch.tensor(float("nan"))}.get(bad)
+    _step_given(opt, path, torch.tensor(1e39, dtype=torch.float64) if norm is None else norm)
+    assert opt.skipped_steps == 1
+    _assert_same(before, _snapshot(opt))
+    for step in range(BAD_STEP + 1, BAD_STEP + 3):
+        _set_grads(opt, step)
+        _step_given(opt, path, _total_norm(opt))
+    _run(ref, BAD_STEP + 3, path)
+    _assert_same(_snapshot(ref), _snapshot(opt))
+    assert opt.nonfinite.flag_sources == {"gradient_norm": 3, "own_pass": BAD_STEP}
+
+
+def test_a_given_norm_replaces_the_pass_for_one_step_only():
+    """With a norm given, the optimizer makes no pass of its own: a NaN planted in a gradient
+    while the norm says finite goes through (the pass would have caught it, as it does on the
+    next step, which was given no norm)."""
+    opt = _build(Dion3, "skip", flavor="muon", fraction=1.0)
+    _run(opt, BAD_STEP, "eager")
+    _set_grads(opt, BAD_STEP, poison="tall")
+    _step_given(opt, "eager", torch.tensor(3.0))
+    assert opt.skipped_steps == 0  # not caught: no max-|g| pass ran
+    assert not torch.isfinite(opt.state[opt.param_groups[0]["params"][NAMES.index("tall")]]["momentum"]).all()
+    assert not opt.nonfinite.norm_given  # consumed by that step
+    _set_grads(opt, BAD_STEP + 1, poison="emb")
+    opt.step()  # no norm: the own pass
+    assert opt.skipped_steps == 1
+    assert opt.nonfinite.flag_sources == {"gradient_norm": 1, "own_pass": BAD_STEP + 1}
+
+
+@pytest.mark.parametrize("path", ["eager", "deferred"])
+def test_raise_on_a_nonfinite_given_norm_names_the_step(path):
+    opt = _build(Dion3, "raise", flavor="normuon", fraction=0.25)
+    _run(opt, BAD_STEP, path)
+    before = _snapshot(opt)
+    _set_grads(opt, BAD_STEP)
+    _step_given(opt, path, torch.tensor(float("nan")))
+    _set_grads(opt, BAD_STEP + 1)
+    with pytest.raises(FloatingPointError) as info:
+        _step_given(opt, path, _total_norm(opt))
+    message = str(info.value)
+    assert f"gradient norm of step {BAD_STEP + 1} " in message and "is nan" in message, message
+    assert "\n" not in message
+    _assert_same(before, _snapshot(opt))
+
+
+def test_use_gradient_norm_takes_one_plain_number():
+    opt = _build(Dion3, "skip")
+    with pytest.raises(ValueError, match="one number"):
+        opt.use_gradient_norm(torch.ones(2))
+    assert not opt.nonfinite.norm_given
+
+
+def test_the_policy_of_the_param_groups_applies():
+    """torchtitan 0.3 passes ``nonfinite`` in a group's options, not to the constructor: the
+    matrix groups' policy is the optimizer's, and they must agree."""
+    params = make_params(7)
+    opt = Dion3([{"params": params[:2], "nonfinite": "skip"}, {"params": params[2:], "nonfinite": "skip"}])
+    assert opt.nonfinite.policy == "skip"
+    with pytest.raises(ValueError, match=r"nonfinite: every matrix param group must use the same value"):
+        Dion3([{"params": params[:2], "nonfinite": "skip"}, {"params": params[2:]}])

@@ -2,12 +2,13 @@
 llama3 and deepseek runs train in turn in one launch (`runs`), llama3 also with torchtitan's
 compile on (last: torch.compile's state stays in the process); gpt_oss, the largest, in its own."""
 
+import math
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.titan_helpers import CONFIGS, TitanRun, ensure_corpus, run_titan, run_titans
+from tests.titan_helpers import CONFIGS, TitanRun, ensure_corpus, run_titan, run_titans, write_poison
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -37,13 +38,19 @@ RUNS = {
     "adamw": (LLAMA, ("--training.steps", "3", "--optimizer.name", "AdamW", "--optimizer.lr", "3e-3")),
     # the llama3 run's first steps, compiled; total_steps keeps its LR schedule
     "llama3_compiled": (LLAMA, ("--training.steps", "4", "--lr_scheduler.total_steps", "20", "--compile.enable")),
+    # an inf gradient at step 2 (POISON), with clipping (the config's max_norm 1) and without
+    "skip_inf": (LLAMA, ("--training.steps", "4", "--optimizer.nonfinite", "skip")),
+    "skip_inf_noclip": (LLAMA, ("--training.steps", "3", "--optimizer.nonfinite", "skip", "--training.max_norm", "0")),
 }
 COMPILE_RTOL = 1e-4  # fp32: compiled kernels only reorder sums (measured ~1e-7)
+POISON = {"step": 2, "param": "layers.0.attention.wo.weight"}
 
 
 @pytest.fixture(scope="module")
 def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, TitanRun]:
     folder = tmp_path_factory.mktemp("train")
+    for name in ("skip_inf", "skip_inf_noclip"):
+        write_poison(folder / name, **POISON)
     return run_titans({name: (config, folder / name, args) for name, (config, args) in RUNS.items()})
 
 
@@ -72,6 +79,31 @@ def test_llama3_dion3_trains_and_routes_params(runs: dict[str, TitanRun]) -> Non
         assert all(LLAMA_ADAMW.fullmatch(n) for n in g["adamw"]["names"]), g["adamw"]["names"]
         assert g["dion3"]["fraction"] == 0.25 and g["dion3"]["flavor"] == "normuon"
         assert g["adamw"]["lr"] != g["dion3"]["lr"]  # adamw_lr is its own key
+        # clipping is on (max_norm 1): every step's non-finite flag came from its gradient norm
+        assert record["nonfinite"] == {"flag_sources": [{"gradient_norm": 20, "own_pass": 0}], "skipped_steps": [0]}
+
+
+def test_an_inf_gradient_skips_the_step_through_the_clipping_norm(runs: dict[str, TitanRun]) -> None:
+    """nonfinite = "skip" with an inf planted in one gradient on one rank at step 2: the
+    clipping norm is inf on every rank, so every rank skips that step (without a pass over the
+    gradients) and training goes on."""
+    run = runs["skip_inf"]
+    assert run.returncode == 0, run.output[-4000:]
+    assert math.isinf(run.grad_norms()[POISON["step"]]), run.grad_norms()
+    losses = run.losses()
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values()), losses
+    assert losses[4] < losses[1], losses
+    for record in run.records:
+        assert record["nonfinite"] == {"flag_sources": [{"gradient_norm": 4, "own_pass": 0}], "skipped_steps": [1]}
+
+
+def test_without_clipping_the_optimizer_makes_its_own_pass(runs: dict[str, TitanRun]) -> None:
+    """max_norm = 0 (torchtitan has no off switch; 0 scales every gradient by 0): no norm is
+    handed over, and the optimizer's own pass catches the planted inf (NaN after the clip)."""
+    run = runs["skip_inf_noclip"]
+    assert run.returncode == 0, run.output[-4000:]
+    for record in run.records:
+        assert record["nonfinite"] == {"flag_sources": [{"gradient_norm": 0, "own_pass": 3}], "skipped_steps": [1]}
 
 
 def test_llama3_compiled_trains_as_uncompiled(runs: dict[str, TitanRun]) -> None:

@@ -2,8 +2,10 @@
 
 Run as a script under torchrun, this file is `dion3_titan.train` with a Trainer subclass that
 records, without changing training, what the tests assert on: each logged step's exact loss,
-the built optimizers' param groups and hooks, and a digest of the final parameters. Records go
-to `<dump_folder>/inspect/rank<r>.json`. With `--runs <file>` it trains several jobs in turn in
+the built optimizers' param groups and hooks, a digest of the final parameters and where each
+step's non-finite flag came from. Records go to `<dump_folder>/inspect/rank<r>.json`. A
+`<dump_folder>/poison.json` written before the run (`write_poison`) plants an inf in one
+gradient of one step, after backward and before clipping. With `--runs <file>` it trains several jobs in turn in
 one launch (`run_titans`): starting torchrun and its ranks costs more than a short run itself.
 """
 
@@ -136,6 +138,43 @@ def _records(dump_folder: Path, nproc: int) -> list[dict[str, Any]]:
     return records
 
 
+def write_poison(dump_folder: Path, step: int, param: str, rank: int = 0) -> None:
+    """Make the inspected run at ``dump_folder`` plant an inf in the first local entry of
+    ``param``'s gradient on ``rank`` at ``step`` (after backward, before clipping)."""
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    (dump_folder / "poison.json").write_text(json.dumps({"step": step, "param": param, "rank": rank}))
+
+
+def poison_gradient(model_parts, dump_folder: str, step: int) -> None:
+    """What ``write_poison`` asked for, if it asked for this step on this rank."""
+    path = Path(dump_folder) / "poison.json"
+    if not path.exists():
+        return
+    import torch
+
+    from dion3_titan.dist.layout import to_local
+
+    spec = json.loads(path.read_text())
+    if spec["step"] != step or spec["rank"] != torch.distributed.get_rank():
+        return
+    for model in model_parts:
+        for name, p in model.named_parameters():
+            if name == spec["param"] and p.grad is not None:
+                with torch.no_grad():
+                    to_local(p.grad).view(-1)[0] = float("inf")
+                return
+    raise AssertionError(f"poison: no gradient of {spec['param']!r} on this rank")
+
+
+def nonfinite_record(optimizers) -> dict[str, Any]:
+    """Per optimizer of ours: where its steps' non-finite flags came from, and the steps it skipped."""
+    ours = [o for o in optimizers if hasattr(o, "nonfinite")]
+    return {
+        "flag_sources": [o.nonfinite.flag_sources for o in ours],
+        "skipped_steps": [o.skipped_steps for o in ours],
+    }
+
+
 def param_digest(model_parts) -> dict[str, float]:
     """Sum of |p| of every parameter, as a full tensor (a collective on every rank)."""
     digest = {}
@@ -254,12 +293,18 @@ def _inspecting_trainer() -> type:
                 "plan": plan_of(opts.optimizers),
             }
 
+        def forward_backward_step(self, *args: Any, **kwargs: Any) -> Any:
+            loss = super().forward_backward_step(*args, **kwargs)
+            poison_gradient(self.model_parts, self.job_config.job.dump_folder, self.step)
+            return loss
+
         def train(self) -> None:
             super().train()
             # before main's teardown, which frees captured optimizer steps
             self._record["cuda_graph_captured"] = bool(getattr(self.optimizers, "captured", False))
             self._record["param_digest"] = param_digest(self.model_parts)
             self._record["local_hashes"] = local_hashes(self.model_parts)
+            self._record["nonfinite"] = nonfinite_record(self.optimizers.optimizers)
             self._write()
 
         def _write(self) -> None:

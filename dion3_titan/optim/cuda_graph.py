@@ -8,6 +8,13 @@ betas and eps are constants of the graph: changing one re-captures. Non-finite g
 handled on the device as in an eager step, and the host reads a replay's flag at the next
 ``step()`` as it does an eager step's (optim/nonfinite.py): "raise" raises there, with nothing
 of the bad step applied.
+
+A step given the gradients' norm (``use_gradient_norm``) takes its flag from the guard's norm
+buffer, which the norm is copied into before the replay; a step without one makes its own pass
+over the gradients. The two are different graphs, so whether a norm is given is part of the
+signature: a step of the other kind re-captures (after one eager step of that kind, as any
+re-capture). That keeps each graph one path with nothing decided inside it; a trainer gives a
+norm every step or never, so in practice it is captured once.
 """
 
 import weakref
@@ -58,6 +65,7 @@ class GraphedOptimizer:
         self._grad_objects: list[torch.Tensor] = []  # the .grad objects they came from
         self._params: list[torch.Tensor] = []
         self._version = None
+        self._eager_version = None  # the signature of the last eager step
         self.captured_comm: CommStats | None = None  # what the captured step issued
         _live.add(self)
 
@@ -71,11 +79,16 @@ class GraphedOptimizer:
 
     def signature(self) -> tuple:
         """What a captured step bakes in: the state tensors (``state_version``; Dion3 refuses
-        new param groups after construction) and the AdamW groups' constants, which torch's
-        AdamW reads as Python floats. (Matrix groups read lr and weight decay live.)"""
+        new param groups after construction), where its non-finite flag comes from (a given
+        gradient norm or its own pass) and the AdamW groups' constants, which torch's AdamW
+        reads as Python floats. (Matrix groups read lr and weight decay live.)"""
         opt = self.optimizer
         adamw = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
-        return (opt.state_version, *((g["weight_decay"], g["eps"], *g["betas"]) for g in adamw))
+        return (
+            opt.state_version,
+            opt.nonfinite.norm_given,
+            *((g["weight_decay"], g["eps"], *g["betas"]) for g in adamw),
+        )
 
     def step(self, closure=None):
         # The replay path is the hot path: a handful of Python comparisons, one small host-to-
@@ -86,11 +99,14 @@ class GraphedOptimizer:
             )
         guard = self.optimizer.nonfinite
         guard.resolve()  # the previous replay's gradient flag: count a skipped step, or raise
-        if self._graph is not None and self._version != self.signature():
+        signature = self.signature()
+        if self._graph is not None and self._version != signature:
             self.release()
-        if self._graph is None and self._eager_steps < self.warmup_steps:
+        # capture only after an eager step of the same kind (it allocates what the capture reads)
+        if self._graph is None and (self._eager_steps < self.warmup_steps or self._eager_version != signature):
             self._side_stream_run(lambda: self.optimizer.step())
             self._eager_steps += 1
+            self._eager_version = signature
             return None
         if self._graph is None:
             self._capture()
@@ -99,6 +115,11 @@ class GraphedOptimizer:
         self._graph.replay()
         guard.issued()
         return None
+
+    def use_gradient_norm(self, norm: torch.Tensor) -> None:
+        """The next step's gradients have total norm ``norm`` (``Dion3.use_gradient_norm``);
+        copied before the replay into the buffer the captured step reads."""
+        self.optimizer.use_gradient_norm(norm)
 
     def _side_stream_run(self, fn) -> None:
         if self._stream is None:

@@ -82,19 +82,20 @@ class Dion3(torch.optim.Optimizer):
                             "orthogonalized: put it in an algorithm='adamw' group"
                         )
             self._configs.append(cfg)
-        self.replicate_sync = self._one_replicate_sync()
+        self.replicate_sync = self._one_value("replicate_sync")
         self._build_plan()
         self._check_replicas()
         self._init_state()
 
     # ----------------------------------------------------------------- construction
-    def _one_replicate_sync(self) -> str:
-        """``replicate_sync`` is the whole optimizer's (FSDP2 syncs gradients, or not, for
-        every parameter): every matrix group must name the same."""
-        syncs = {cfg.replicate_sync for cfg in self._configs if cfg is not None}
-        if len(syncs) > 1:
-            raise ValueError(f"replicate_sync: every matrix param group must use the same value, got {sorted(syncs)}")
-        return syncs.pop() if syncs else "gradients"
+    def _one_value(self, key: str) -> str:
+        """A setting of the whole optimizer, which every matrix group must name alike:
+        ``replicate_sync`` (FSDP2 syncs gradients, or not, for every parameter) and
+        ``nonfinite`` (a step has one flag for all its gradients)."""
+        values = {getattr(cfg, key) for cfg in self._configs if cfg is not None}
+        if len(values) > 1:
+            raise ValueError(f"{key}: every matrix param group must use the same value, got {sorted(values)}")
+        return values.pop() if values else self.defaults[key]
 
     def _check_replicas(self) -> None:
         if self.replicate_sync == "compressed" and not any(sg.replicas is not None for sg in self._groups):
@@ -134,7 +135,7 @@ class Dion3(torch.optim.Optimizer):
             for cfg in self._configs
         ]
         self.selector = RowSelector(self.comm_stats)
-        self.nonfinite = NonfiniteGuard(self.defaults["nonfinite"])  # non-finite gradients and NS results
+        self.nonfinite = NonfiniteGuard(self._one_value("nonfinite"))  # non-finite gradients and NS results
         self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]
         self._hyper_all: torch.Tensor | None = None  # (groups, 2), the storage of those views
         self._hyper_values: list[float] | None = None  # what it holds, to skip redundant copies
@@ -244,6 +245,13 @@ class Dion3(torch.optim.Optimizer):
                     group.pop(key, None)
                 else:
                     group[key] = value
+
+    def use_gradient_norm(self, norm: torch.Tensor) -> None:
+        """The next step's gradients have total norm ``norm`` (the trainer's gradient clipping
+        computed it): that step takes its non-finite flag from it instead of a pass over every
+        gradient. The norm must be the same on every rank and cover every gradient the step
+        reads (optim/nonfinite.py); a step without one makes its own pass."""
+        self.nonfinite.use_gradient_norm(norm)
 
     @property
     def skipped_steps(self) -> int:

@@ -1,9 +1,21 @@
 """The ``nonfinite`` policy: what a step does with a NaN/inf gradient or Newton-Schulz result.
 
 A step never applies a non-finite gradient, eager or replayed from a CUDA graph, and decides
-so on the device. ``check`` reduces the gradients to one flag ``ok`` (1.0 when every gradient
-of every rank is finite, else 0.0); every state write of the step is gated by it, so with
-ok = 0 parameters and state keep their bits:
+so on the device. ``check`` makes one flag ``ok`` (1.0 when every gradient of every rank is
+finite, else 0.0) from one of two sources:
+
+- the gradients' total norm, when the step was given one (``use_gradient_norm``: torchtitan's
+  gradient clipping computes it every step anyway, dion3_titan/clipping.py hands it over). A
+  p-norm is finite exactly when every entry is, and a norm that overflows counts as non-finite
+  (a step that large is not one to apply). No pass over the gradients and no all-reduce: the
+  norm is already global (torchtitan reduces it over every mesh dim, pipeline stages included;
+  under compressed sync over the replicas too), so every rank reads the same flag; whoever
+  gives a norm must make it so, and make it cover every gradient the step reads;
+- otherwise the optimizer's own pass: max |g| of every local gradient in one multi-tensor
+  reduction, then one all-reduce (MIN) of the flag so every rank decides alike.
+
+Every state write of the step is gated by ``ok``, so with ok = 0 parameters and state keep
+their bits:
 
 - a gradient enters the momentum as ``where(ok, g, -0.0)`` (adding -0.0 is the identity for
   every value, signed zeros included);
@@ -23,22 +35,31 @@ The host learns the outcome afterwards, without waiting inside a step: the step'
 op copies its flags into pinned host memory (part of a captured step too), ``issued`` marks
 the step as queued, and ``resolve`` reads the flags at the next ``step()`` (or a metrics
 read), waiting for that step only, then counts the skipped step ("skip") or raises
-FloatingPointError naming the parameters ("raise"). Eager and replayed steps run the same
-device code and the same host code.
+FloatingPointError ("raise") naming the parameters (own pass: it has a flag per gradient) or
+saying the step's gradient norm was not finite. Eager and replayed steps run the same device
+code and the same host code. A given norm is copied into one device buffer that the step reads,
+so a captured step reads each replay's norm; it serves the next step only (``issued`` clears it).
 """
 
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 POLICIES = ("raise", "skip")
+SOURCES = ("gradient_norm", "own_pass")  # where a step's flag came from (``flag_sources``)
 
 
 def nonfinite_matrices(out: torch.Tensor) -> torch.Tensor:
     """(B,) mask of the matrices in a batch holding a NaN or inf."""
     # max |x| per matrix in one reduction; NaN propagates through the max
     return ~torch.linalg.vector_norm(out.flatten(1), ord=float("inf"), dim=1).isfinite()
+
+
+def norm_ok(norm: torch.Tensor) -> torch.Tensor:
+    """A step's ``ok`` from its gradients' total norm: 1.0 when the norm is finite, else 0.0."""
+    return norm.isfinite().float()
 
 
 def _distributed() -> bool:
@@ -57,17 +78,54 @@ class NonfiniteGuard:
         self._ns_bad: torch.Tensor | None = None  # device counter of non-finite NS results
         self.ok: torch.Tensor | None = None  # float 0/1 device scalar of the step being built
         self._ok_bool: torch.Tensor | None = None
-        self._flags: torch.Tensor | None = None  # [ok, finite per gradient] on the device
+        self._flags: torch.Tensor | None = None  # [ok, finite per gradient] or [ok, norm], on the device
         self._names: list[str] = []
+        self._norm: torch.Tensor | None = None  # the given gradient norm, a buffer captured steps read
+        self._norm_given = False  # the next step takes its flag from ``_norm``
+        self._source = "own_pass"  # the flag source of the step built last
+        self._sources = dict.fromkeys(SOURCES, 0)
+        self._steps = 0  # steps issued since construction (named by "raise")
         self._host: torch.Tensor | None = None  # where the step's flags land (pinned on a GPU)
         self._pending = False
         self._event: torch.cuda.Event | None = None
         self._undo: Callable[[], None] | None = None
 
+    # ----------------------------------------------------------------- the given norm (host side)
+    def use_gradient_norm(self, norm: torch.Tensor) -> None:
+        """The next step's gradients have total norm ``norm`` (a plain scalar tensor on their
+        device, the same on every rank, covering every gradient the step reads): that step
+        takes its flag from it instead of its own pass. Call before the step, outside any CUDA
+        graph; the value is copied into a buffer, so the tensor may be reused afterwards."""
+        if isinstance(norm, DTensor):
+            raise TypeError(
+                "use_gradient_norm: pass the norm as a plain tensor, reduced over every rank "
+                "(DTensor.full_tensor()), not a DTensor"
+            )
+        if norm.numel() != 1:
+            raise ValueError(f"use_gradient_norm: the norm must be one number, got shape {tuple(norm.shape)}")
+        if self._norm is None or self._norm.device != norm.device:
+            self._norm = torch.zeros((), dtype=torch.float32, device=norm.device)
+        # float32: a norm beyond its range becomes inf, and counts as non-finite
+        self._norm.copy_(norm.detach().reshape(()), non_blocking=True)
+        self._norm_given = True
+
+    @property
+    def norm_given(self) -> bool:
+        """Whether the next step takes its flag from a given gradient norm."""
+        return self._norm_given
+
     # ----------------------------------------------------------------- device side (capturable)
     def check(self, named_grads: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> None:
-        """Compute this step's ``ok`` from the local gradients: one multi-tensor reduction and,
-        in a distributed run, one all-reduce of the flag so every rank decides alike."""
+        """Compute this step's ``ok``: from the given gradient norm, or from the local
+        gradients (one multi-tensor reduction and, in a distributed run, one all-reduce of the
+        flag so every rank decides alike)."""
+        self._names = [name for name, _ in named_grads]
+        if self._norm_given:
+            self._source = "gradient_norm"
+            ok = norm_ok(self._norm).reshape(1)
+            self._set_flags(torch.cat([ok, self._norm.reshape(1)]))
+            return
+        self._source = "own_pass"
         grads = [g for _, g in named_grads]
         if grads:
             # max |g| per tensor: finite exactly when every entry is (NaN propagates)
@@ -78,10 +136,12 @@ class NonfiniteGuard:
             ok = torch.ones(1, device=device)
         if _distributed():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        self._flags = torch.cat([ok, finite])
-        self.ok = self._flags[0]
+        self._set_flags(torch.cat([ok, finite]))
+
+    def _set_flags(self, flags: torch.Tensor) -> None:
+        self._flags = flags
+        self.ok = flags[0]
         self._ok_bool = self.ok > 0
-        self._names = [name for name, _ in named_grads]
 
     def publish(self) -> None:
         """The step's last device op: copy its flags to host memory, where ``resolve`` reads
@@ -143,7 +203,15 @@ class NonfiniteGuard:
     # ----------------------------------------------------------------- host side
     def issued(self, undo: Callable[[], None] | None = None) -> None:
         """The step whose flags were published last is queued; ``undo`` rolls back what the host
-        advanced for it (selection seeds, step counters) if it turns out skipped."""
+        advanced for it (selection seeds, step counters) if it turns out skipped. A given
+        gradient norm served this step only: the next one needs a norm of its own."""
+        if self._norm_given != (self._source == "gradient_norm"):
+            raise RuntimeError(  # a replay of a step captured for the other flag source
+                "NonfiniteGuard: the step was built for a different flag source than this step's"
+            )
+        self._norm_given = False
+        self._steps += 1
+        self._sources[self._source] += 1
         self._pending = self._host is not None
         self._undo = undo
         self._event = None
@@ -154,8 +222,8 @@ class NonfiniteGuard:
     def resolve(self) -> None:
         """Act on the flags of the last issued step, if not done yet: wait for that step (not
         for work queued after it), then count a skipped step ("skip") or raise
-        FloatingPointError naming the parameters ("raise"), after the step's ``undo``. In a
-        distributed run every rank gets here at the same step (the flag is global)."""
+        FloatingPointError ("raise"), after the step's ``undo``. In a distributed run every
+        rank gets here at the same step (the flag is global)."""
         if not self._pending:
             return
         self._pending = False
@@ -170,6 +238,12 @@ class NonfiniteGuard:
         if self.policy == "skip":
             self._skipped += 1
             return
+        if self._source == "gradient_norm":
+            raise FloatingPointError(
+                f"Dion3: the gradient norm of step {self._steps} (counted since the optimizer was built) is "
+                f"{host[1]}: some gradient is not finite; nothing of that step was applied "
+                "(set [optimizer] nonfinite = 'skip' to skip such steps)"
+            )
         bad = [name for name, finite in zip(self._names, host[1:]) if finite != 1.0]
         if _distributed():
             everyone: list = [None] * dist.get_world_size()
@@ -185,6 +259,12 @@ class NonfiniteGuard:
         """Steps skipped for a non-finite gradient (reads a pending flag: may synchronize)."""
         self.resolve()
         return self._skipped
+
+    @property
+    def flag_sources(self) -> dict[str, int]:
+        """Steps issued so far by where their flag came from: "gradient_norm" (given, no pass
+        over the gradients) or "own_pass"."""
+        return dict(self._sources)
 
     @property
     def ns_events(self) -> int:

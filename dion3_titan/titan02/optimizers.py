@@ -18,7 +18,7 @@ from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from dion3_titan import compressed
+from dion3_titan import clipping, compressed
 from dion3_titan.names import DION3_KEYS, NAMES, PRMUON_KEYS, resolve_options
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup
@@ -77,7 +77,8 @@ class Dion3OptimizersContainer(OptimizersContainer):
         # unset: build_param_groups' defaults (the matrix lr; no weight decay)
         adamw.update({k: v for k in ("adamw_lr", "adamw_weight_decay") if (v := getattr(cfg, k)) is not None})
         self.model_parts = model_parts
-        if options.get("replicate_sync") == "compressed":  # FSDP2 stops syncing across replicas
+        compressed_sync = options.get("replicate_sync") == "compressed"
+        if compressed_sync:  # FSDP2 stops syncing across replicas
             compressed.prepare(model_parts)
         self.optimizers = []
         all_params: list[nn.Parameter] = []
@@ -92,6 +93,8 @@ class Dion3OptimizersContainer(OptimizersContainer):
         self._post_init(all_params, {"lr": lr, **options})
         self._log_routing(cfg.name, optimizer_cls.__name__)
         self._runners = self._step_runners(cfg)
+        # torchtitan's clipping hands each step's gradient norm to use_gradient_norm
+        clipping.install(self, all_params, replica_consistent=compressed_sync)
         self._metrics = (
             [OptimizerMetrics(r) for r in self._runners] if getattr(cfg, "optimizer_metrics", None) else None
         )
@@ -145,6 +148,12 @@ class Dion3OptimizersContainer(OptimizersContainer):
                 self._metrics[i].step(measure)
             else:
                 runner.step(*args, **kwargs)
+
+    def use_gradient_norm(self, norm: torch.Tensor) -> None:
+        """This step's total gradient norm, from torchtitan's clipping (clipping.py): every
+        optimizer takes the step's non-finite flag from it, with no pass over the gradients."""
+        for runner in self._runners:
+            runner.use_gradient_norm(norm)
 
     @property
     def cuda_graph(self) -> bool:

@@ -23,11 +23,12 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from dion3_titan import compressed
+from dion3_titan import clipping, compressed
 from dion3_titan.dist.replicas import average_over_replicas
 from dion3_titan.names import NAMES, PRMUON_KEYS, resolve_options
 from dion3_titan.optim.cuda_graph import GraphedOptimizer
 from dion3_titan.optim.dion3 import Dion3
+from dion3_titan.optim.nonfinite import norm_ok
 from dion3_titan.optimizer_metrics import OptimizerMetrics, combine
 from dion3_titan.titan03.splits import split_specs_for
 
@@ -66,7 +67,9 @@ class Dion3Optimizers(OptimizersContainer):
 
     Each of our groups becomes a param group of one Dion3 (or PeriodicRowwiseMuon) per optimizer
     name and model part, with its fused weights split into their pieces (splits.py). Groups of
-    torchtitan's names are built by torchtitan's own factories."""
+    torchtitan's names are built by torchtitan's own factories. When torchtitan's clipping hands
+    over the step's gradient norm (clipping.py), ours take their non-finite flag from it, and
+    torchtitan's own fused Adam/AdamW/SGD skip with them (the norm covers their gradients too)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
@@ -139,6 +142,12 @@ class Dion3Optimizers(OptimizersContainer):
             for g in o.param_groups
             for p in g["params"]
         ]
+        # torchtitan's clipping hands each step's gradient norm to use_gradient_norm
+        clipping.install(self, all_params, replica_consistent=compressed_sync)
+        # torchtitan's own optimizers that take torch's skip flag (fused ones) skip the steps ours do
+        # when the flag comes from the gradient norm, which covers their gradients too
+        self._skip_with_ours = [o for o in self._runners if not isinstance(o, Dion3) and _takes_found_inf(o)]
+        self._norm: torch.Tensor | None = None  # the norm given for the next step
         if config.implementation == "fused_opt_states_bf16":
             self._register_bf16_optimizer_state_hook()
         self._post_init(all_params)
@@ -195,9 +204,15 @@ class Dion3Optimizers(OptimizersContainer):
             )
         if self._replica_averaged:
             average_over_replicas([p.grad for p in self._replica_averaged if p.grad is not None])
+        found_inf = None if self._norm is None else 1.0 - norm_ok(self._norm)
+        self._norm = None  # a norm serves one step
         for runner in self._runners:
             if self._metrics is not None and id(runner) in self._metrics:
                 self._metrics[id(runner)].step(measure)
+            elif found_inf is not None and runner in self._skip_with_ours:
+                runner.found_inf = found_inf  # torch's fused kernels skip the step where it is 1
+                runner.step()
+                del runner.found_inf
             else:
                 runner.step()
 
@@ -207,6 +222,14 @@ class Dion3Optimizers(OptimizersContainer):
         (after ``cuda_graph_warmup`` eager steps, until the graphs are released)."""
         graphed = [r for r in self._runners if isinstance(r, GraphedOptimizer)]
         return bool(graphed) and all(r.graph is not None for r in graphed)
+
+    def use_gradient_norm(self, norm: torch.Tensor) -> None:
+        """This step's total gradient norm, from torchtitan's clipping (clipping.py): our
+        optimizers take the step's non-finite flag from it, with no pass over the gradients."""
+        for runner in self._runners:
+            if isinstance(getattr(runner, "optimizer", runner), Dion3):
+                runner.use_gradient_norm(norm)
+        self._norm = norm
 
     def align_step(self, step: int) -> None:
         """The trainer's step, so that the logging steps stay aligned with it after a resume."""
@@ -221,6 +244,15 @@ class Dion3Optimizers(OptimizersContainer):
         if not self._metrics:
             return {}
         return combine([m.collect() for m in self._metrics.values()])
+
+
+def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` passes its ``found_inf`` attribute to a fused kernel, which then
+    skips the step where it is 1 (torch's gradient-scaling protocol): torch's Adam, AdamW and SGD
+    with every group fused (torchtitan sets ``fused`` per group)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and all(
+        g.get("fused") for g in optimizer.param_groups
+    )
 
 
 def dion3_param_groups(

@@ -279,3 +279,88 @@ def test_nonfinite_fsdp_two_gpus(tmp_path, policy):
             assert r["raised"] is None and r["skipped"] == 1
         else:
             assert r["raised"][0] == BAD_STEP + 1 and "m0 (rank 1)" in r["raised"][1], r["raised"]
+
+
+# ------------------------------------------------------------------------------ a given gradient norm
+def _norm_run(params, graphed, steps, inf_norm_step=None, nan_grad_step=None, norm_until=None):
+    """Train ``steps`` steps, each given the gradients' total norm (as torchtitan's clipping
+    hands it over) until ``norm_until``, after that none (the own pass). ``inf_norm_step`` is
+    given an inf norm over finite gradients; ``nan_grad_step`` gets a NaN in the first gradient
+    after its norm was taken.
+    Returns (params, whether the inf-norm step left everything bit-identical, skipped steps,
+    flag sources, graphs captured)."""
+    from dion3_titan import Dion3
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+
+    device = params[0].device
+    opt = Dion3(
+        [
+            {"params": params[:-1], "names": [f"m{i}" for i in range(len(params) - 1)]},
+            {"params": params[-1:], "algorithm": "adamw", "names": ["vec"]},
+        ],
+        lr=0.02,
+        fraction=0.25,
+        flavor="normuon",
+        weight_decay=0.1,
+        nonfinite="skip",
+    )
+    runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
+    same, captures, graph = None, 0, None
+    for step in range(steps):
+        for p, g in zip(params, _grads(step, device)):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(g)  # in place: where the captured step reads it
+        if norm_until is None or step < norm_until:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            runner.use_gradient_norm(torch.full_like(norm, float("inf")) if step == inf_norm_step else norm)
+        if step == nan_grad_step:  # after the norm: a given norm does not see it
+            params[0].grad.view(-1)[7] = float("nan")
+        if step == inf_norm_step:
+            before = _snapshot(opt, params)
+        runner.step()
+        if step == inf_norm_step:
+            same = all(torch.equal(a, b) for a, b in zip(before, _snapshot(opt, params)))
+        if graphed and runner.graph is not None and runner.graph is not graph:
+            captures, graph = captures + 1, runner.graph
+    torch.cuda.synchronize()
+    skipped, sources = opt.skipped_steps, opt.nonfinite.flag_sources
+    if graphed:
+        runner.release()
+    return [p.detach().clone() for p in params], same, skipped, sources, captures
+
+
+def test_given_norm_under_graph_skips_an_inf_norm_and_equals_eager():
+    """Captured with the norm path, a replay given an inf norm (finite gradients) skips the
+    step bit for bit, replays given finite norms apply theirs, and the run equals the eager
+    one bit for bit; every step's flag came from the norm."""
+    base = _model("cuda")
+    eager, e_same, e_skipped, e_sources, _ = _norm_run(list(copy.deepcopy(base)), False, 10, inf_norm_step=BAD_STEP)
+    got, same, skipped, sources, captures = _norm_run(list(copy.deepcopy(base)), True, 10, inf_norm_step=BAD_STEP)
+    assert captures == 1
+    assert e_same and same and e_skipped == skipped == 1
+    assert e_sources == sources == {"gradient_norm": 10, "own_pass": 0}
+    for a, b, p0 in zip(got, eager, base):
+        assert torch.equal(a, b) and not torch.equal(a, p0)
+
+
+def test_given_norm_under_graph_makes_no_pass():
+    """A replay given a finite norm reads no gradient for its flag: a NaN planted in a
+    gradient goes through (the own pass would have skipped the step)."""
+    base = _model("cuda")
+    _, _, skipped, sources, captures = _norm_run(list(copy.deepcopy(base)), True, 8, nan_grad_step=BAD_STEP)
+    assert captures == 1 and skipped == 0 and sources == {"gradient_norm": 8, "own_pass": 0}
+
+
+def test_a_step_without_a_norm_after_a_norm_capture_recaptures():
+    """Captured with the norm path, then steps given no norm: the graph is captured again for
+    the own pass (after one eager step), which catches a NaN gradient; bit for bit the eager run."""
+    base = _model("cuda")
+    kw = {"nan_grad_step": 8, "norm_until": 6}
+    eager, _, e_skipped, e_sources, _ = _norm_run(list(copy.deepcopy(base)), False, 11, **kw)
+    got, _, skipped, sources, captures = _norm_run(list(copy.deepcopy(base)), True, 11, **kw)
+    assert captures == 2
+    assert e_skipped == skipped == 1
+    assert e_sources == sources == {"gradient_norm": 6, "own_pass": 5}
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)

@@ -14,7 +14,7 @@ from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.trainer import Trainer
 
 from dion3_titan.titan03 import recipes
-from tests.titan_helpers import local_hashes, param_digest, plan_of
+from tests.titan_helpers import local_hashes, nonfinite_record, param_digest, plan_of, poison_gradient
 
 
 class InspectingTrainer(Trainer):
@@ -76,10 +76,22 @@ class InspectingTrainer(Trainer):
             "plan": plan_of(opts.optimizers),
         }
 
+    def forward_backward_step(self, *args: Any, **kwargs: Any) -> Any:
+        loss = super().forward_backward_step(*args, **kwargs)
+        poison_gradient(self.model_parts, self.config.dump_folder, self.step)
+        return loss
+
     def train(self) -> None:
         super().train()
         self._record["param_digest"] = param_digest(self.model_parts)
         self._record["local_hashes"] = local_hashes(self.model_parts)
+        self._record["nonfinite"] = nonfinite_record(self.optimizers.optimizers)
+        # the step counters of torchtitan's own optimizers (AdamW: each parameter's "step")
+        self._record["titan_steps"] = [
+            sorted({float(st["step"]) for st in o.state.values() if "step" in st})
+            for o in self.optimizers.optimizers
+            if not hasattr(o, "nonfinite")
+        ]
         self._write()
 
     def _write(self) -> None:
@@ -123,6 +135,11 @@ def _with_dion3_kwargs(**kwargs: Any) -> InspectingTrainer.Config:
 def llama3_debug_dion3_compressed() -> InspectingTrainer.Config:
     """Compressed sync across HSDP replicas (the replicate degree is set on the command line)."""
     return _with_dion3_kwargs(replicate_sync="compressed")
+
+
+def llama3_debug_dion3_skip() -> InspectingTrainer.Config:
+    """nonfinite = "skip" (a test plants an inf gradient)."""
+    return _with_dion3_kwargs(nonfinite="skip")
 
 
 def bad_fraction() -> InspectingTrainer.Config:
