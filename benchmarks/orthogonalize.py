@@ -15,7 +15,7 @@ A table is printed at the end; with $OUT set, everything is also written to
 $OUT/bench_orthogonalize.json.
 
     python scripts/bench_orthogonalize.py [--sweep] [--budget-s 150] [--skip-anchor]
-        [--shapes 32x2048x2048,16x2752x4096] [--variants triton_mm_add,triton_mm]
+        [--shapes 32x2048x2048,16x2752x4096] [--variants cublas_mm_add,sym_4warps]
 """
 
 from __future__ import annotations
@@ -40,9 +40,13 @@ SHAPES = "32x2048x7168,1x7168x18432,4x4096x11008,8x4096x4096,24x1024x4096,4x1024
 # The kernel switches --variants turns, each against the module defaults: (module, name, value).
 _WIDE = triton_mm.DEFAULT_CONFIG  # the config that measured fastest
 VARIANTS = {
-    "triton_mm_add": [(triton_mm, "MM_ADD_CONFIG", _WIDE)],
+    "cublas_mm_add": [(triton_mm, "MM_ADD_CONFIG", None)],
+    "mm_add_no_ws": [(triton_mm, "MM_ADD_CONFIG", triton_mm.Config(128, 256, 64, 8, 8, 3))],
     "triton_mm": [(triton_mm, "MM_CONFIG", _WIDE)],
-    "triton_both": [(triton_mm, "MM_ADD_CONFIG", _WIDE), (triton_mm, "MM_CONFIG", _WIDE)],
+    "sym_8warps": [(triton_ops, "TMA_CONFIG", (128, 64, 8, 8, 4))],
+    "sym_4warps": [(triton_ops, "TMA_CONFIG", (128, 64, 8, 4, 4))],
+    "sym_ws": [(triton_ops, "TMA_CONFIG", (128, 64, 8, 8, 4, True))],
+    "sym_tile_only": [(triton_ops, "TMA_MIN_KSTEPS_PER_SM", 2**40)],
 }
 SYM_SIDES = (2048, 4096, 8192)
 SWEEP = [  # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)

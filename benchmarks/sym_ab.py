@@ -1,15 +1,16 @@
-"""A/B timing of the Triton symmetric GEMM against another revision of it, and of the persistent
-TMA GEMM (kernels/triton_mm.py) against cuBLAS, in one run.
+"""A/B timing of the Triton symmetric GEMM against another revision of it and across tile
+configs, and of the persistent TMA GEMM (kernels/triton_mm.py) against cuBLAS, in one run.
 
     git show REV:dion3_titan/kernels/triton_ops.py > /tmp/base_triton_ops.py
-    python scripts/bench_sym_ab.py --baseline /tmp/base_triton_ops.py [--shapes 4x8192,16x2816x4096] \
+    python scripts/bench_sym_ab.py [--baseline /tmp/base_triton_ops.py] [--shapes 4x8192,16x2816x4096] \
         [--gemm 32x2048x2048x2048+c,16x2816x2816x4096] [--reps 5]
 
-``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, then the persistent TMA kernel, the
-per-tile kernel and the TMA kernel with C (alpha*AB + beta*C, square shapes only), baseline and
-current interleaved, each timed ``reps`` times with ``triton.testing.do_bench``; the median of
-those runs is reported. Both revisions' results are checked for exact symmetry and equal lower
-triangles first. ``--gemm``: L x M x K x N, "+c" for alpha*AB + beta*C (C is B itself when
+``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, then the persistent TMA kernel (in
+each of ``SYM_TMA_CONFIGS``), the per-tile kernel and the TMA kernel with C (alpha*AB + beta*C,
+square shapes only), baseline (when given) and current interleaved, each timed ``reps`` times
+with ``triton.testing.do_bench``; the median of those runs is reported, with which kernel
+``sym_gemm`` dispatches to. Every result is checked for exact symmetry and a lower triangle
+equal to the current default's first (a config that does not build is reported as such). ``--gemm``: L x M x K x N, "+c" for alpha*AB + beta*C (C is B itself when
 square, as in X <- aX + BX): cuBLAS bmm/baddbmm against ``mm_tma`` in each of ``GEMM_CONFIGS``
 (a config that does not build or fit is reported as such), each result checked against cuBLAS.
 Rates count the FLOPs each kernel runs (2LMKN; the symmetric kernel its lower tiles only). With
@@ -30,10 +31,22 @@ from benchmarks.timing import do_bench_ms
 from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels import triton_ops as current
 
-GEMM_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
-    (128, 128, 64, 8, 8, 5),
+GEMM_CONFIGS = [  # triton_mm.Config fields: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages, split, ws)
     (128, 256, 64, 8, 8, 3),
-    (128, 256, 64, 4, 8, 3),
+    (128, 256, 64, 8, 8, 4, True),
+    (128, 256, 64, 8, 8, 3, True),
+    (128, 256, 64, 8, 8, 3, False, True),
+    (128, 256, 64, 8, 8, 3, True, True),
+    (128, 128, 64, 8, 8, 4, False, True),
+]
+SYM_TMA_CONFIGS = [  # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages[, ws])
+    (128, 64, 8, 8, 4),
+    (128, 64, 8, 8, 3),
+    (128, 64, 8, 8, 5),
+    (128, 128, 8, 8, 2),
+    (128, 64, 16, 8, 4),
+    (128, 64, 8, 4, 4),
+    (128, 64, 8, 8, 4, True),
 ]
 
 
@@ -50,8 +63,25 @@ def _timed(fn, reps: int) -> tuple[float, list[float]]:
     return statistics.median(runs), runs
 
 
+def _sym_checked(fn, want: torch.Tensor, label: str) -> bool:
+    """Whether ``fn()`` builds and runs; prints whether its result is exactly symmetric and how
+    far its lower triangle is from ``want``'s (another tile config may round differently)."""
+    try:
+        y = fn()
+    except Exception as exc:  # e.g. more shared memory than the SM has
+        print(f"{label}: {type(exc).__name__}: {str(exc)[:160]}")
+        return False
+    if y is None:
+        print(f"{label}: does not fit")
+        return False
+    diff = ((y.float() - want.float()).norm() / want.float().norm()).item()
+    print(f"{label}: symmetric {torch.equal(y, y.mT)}, rel. difference to the default {diff:.1e}")
+    return True
+
+
 def sym_rows(base, shapes: list[str], reps: int) -> list[dict]:
     rows = []
+    revisions = [("baseline", base), ("current", current)] if base is not None else [("current", current)]
     for shape in shapes:
         L, n, *rest = (int(v) for v in shape.split("x"))
         k = rest[0] if rest else n
@@ -60,20 +90,19 @@ def sym_rows(base, shapes: list[str], reps: int) -> list[dict]:
         c = torch.randn(L, n, n, device="cuda", dtype=torch.float16, generator=gen)
         c = (c + c.mT) / 2
         want = current.sym_gemm_tma(x, x.mT)
-        for name, mod in [("baseline", base), ("current", current)]:
-            y = mod.sym_gemm_tma(x, x.mT)
-            print(
-                f"{name} L={L} n={n} k={k}: symmetric {torch.equal(y, y.mT)}, lower = current's {torch.equal(y.tril(), want.tril())}"
-            )
-        cases = [("cublas_bmm", None, lambda m: torch.bmm(x, x.mT))]
-        kernels = [
-            ("tma", lambda m: m.sym_gemm_tma(x, x.mT)),
-            ("tile", lambda m: m.sym_gemm(x, x.mT, config=m.SYM_CONFIG)),
-        ]
+        picks = (
+            "tma" if current.tma_pays(L, n, k, torch.cuda.get_device_properties(0).multi_processor_count) else "tile"
+        )
+        print(f"L={L} n={n} k={k}: sym_gemm dispatches to {picks}")
+        kernels = [("tile", lambda m, cfg=None: m.sym_gemm(x, x.mT, config=m.SYM_CONFIG))]
+        kernels += [(f"tma{cfg}", lambda m, cfg=cfg: m.sym_gemm_tma(x, x.mT, config=cfg)) for cfg in SYM_TMA_CONFIGS]
         if k == n:
             kernels.append(("tma_addmm", lambda m: m.sym_gemm_tma(x, x.mT, c, 0.5, -1.5)))
+        cases = [("cublas_bmm", None, lambda m: torch.bmm(x, x.mT))]
         for label, fn in kernels:
-            cases += [(label, "baseline", fn), (label, "current", fn)]
+            for rev, mod in revisions:
+                if label == "tma_addmm" or _sym_checked(lambda: fn(mod), want, f"{rev} {shape} {label}"):
+                    cases.append((label, rev, fn))
         side = triton.cdiv(n, 128)
         sym_flop = 2 * L * k * n * n * (side + 1) / (2 * side)
         for label, rev, fn in cases:
@@ -81,9 +110,9 @@ def sym_rows(base, shapes: list[str], reps: int) -> list[dict]:
             ms, runs = _timed(lambda: fn(mod), reps)
             flop = 2 * L * n * n * k if label == "cublas_bmm" else sym_flop
             rows.append({"L": L, "n": n, "k": k, "kernel": label, "revision": rev, "ms": ms, "ms_runs": runs})
-            rows[-1]["tflops"] = flop / ms / 1e9
+            rows[-1].update(tflops=flop / ms / 1e9, dispatch=picks)
             print(
-                f"L={L:3d} n={n:5d} k={k:5d} {label:15s} {rev or '':9s} {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s",
+                f"L={L:3d} n={n:5d} k={k:5d} {label:24s} {rev or '':9s} {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s",
                 flush=True,
             )
     return rows
@@ -122,18 +151,18 @@ def gemm_rows(shapes: list[str], reps: int) -> list[dict]:
             rows.append(
                 {"shape": shape, "kernel": label, "ms": ms, "ms_runs": runs, "tflops": 2 * L * M * K * N / ms / 1e9}
             )
-            print(f"{shape:22s} {label:36s} {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+            print(f"{shape:22s} {label:48s} {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--baseline", required=True, help="a triton_ops.py of another revision")
+    parser.add_argument("--baseline", default=None, help="a triton_ops.py of another revision")
     parser.add_argument("--shapes", default="4x8192,32x2048", help="comma-separated LxN or LxNxK")
     parser.add_argument("--gemm", default="", help="comma-separated LxMxKxN[+c]")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    base = _load(args.baseline)
+    base = _load(args.baseline) if args.baseline else None
     rows = sym_rows(base, [s for s in args.shapes.split(",") if s], args.reps)
     gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}

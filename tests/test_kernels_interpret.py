@@ -78,9 +78,9 @@ def _run_checks(seed: int) -> list[dict]:
                         }
                     )
 
-    # the persistent TMA kernel (even shapes only), for every operand layout Gram NS passes
-    tma_config = (16, 16, 2, 4, 2)
-    for L, n, k in [(2, 48, 32), (1, 64, 16)]:
+    # the persistent TMA kernel (even shapes only), for every operand layout Gram NS passes; the
+    # second case with the warp-specialization flag set
+    for L, n, k, tma_config in [(2, 48, 32, (16, 16, 2, 4, 2)), (1, 64, 16, (16, 16, 2, 4, 2, True))]:
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(L, n, k).to(dtype)
             r = torch.randn(L, n, n)
@@ -116,9 +116,10 @@ def _run_checks(seed: int) -> list[dict]:
     # operand in either memory order, into a poisoned output
     from dion3_titan.kernels import triton_mm
 
-    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages)
+    # triton_mm.Config: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages[, split, ws])
     for L, M, K, N, mm_config in [
         (2, 32, 48, 64, (16, 32, 16, 2, 4, 2)),
+        (2, 32, 48, 64, (16, 32, 16, 2, 4, 2, True, True)),  # the epilogue in two halves
         (1, 16, 16, 32, (16, 16, 16, 1, 4, 2)),
     ]:
         for dtype in (torch.float16, torch.bfloat16):
@@ -317,6 +318,26 @@ def test_torch_backend_exactly_symmetric(dtype: torch.dtype, seed: int) -> None:
         ]:
             assert torch.equal(out, out.mT), (L, n, k)
             assert torch.equal(out.tril(), plain.tril()), (L, n, k)
+
+
+def test_sym_dispatch_counts_k_steps() -> None:
+    """The persistent symmetric kernel is taken by k-steps per SM, not tiles alone: the same
+    576 tiles of 16 x 1024^2 take it at k = 4096 and not at k = 1024 (docs/benchmarks.md,
+    "Symmetric GEMM dispatch")."""
+    from dion3_titan.kernels.triton_ops import tma_pays
+
+    assert tma_pays(16, 1024, 4096, 132) and not tma_pays(16, 1024, 1024, 132)
+    assert tma_pays(32, 2048, 2048, 132) and tma_pays(16, 2816, 2816, 132)
+    assert not tma_pays(4, 2048, 2048, 132) and not tma_pays(1, 256, 256, 132)
+
+
+def test_mm_add_rule_by_tiles_per_sm() -> None:
+    """X <- a X + B X goes to the Triton GEMM only where its tiles fill the SMs (32 x 2048^2:
+    31 tiles per SM of an H200), to cuBLAS below (16 x 1024^2: 3.9), and never when switched off."""
+    from dion3_titan.kernels import triton_mm
+
+    assert triton_mm.add_config(32, 2048, 2048, 132) == triton_mm.MM_ADD_CONFIG is not None
+    assert triton_mm.add_config(16, 1024, 1024, 132) is None
 
 
 def test_get_backend_names() -> None:

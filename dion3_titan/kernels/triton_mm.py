@@ -9,10 +9,12 @@ One program per SM walks the output tiles of every matrix, GROUP tile rows at a 
 (column by column inside a band, so programs running together share B panels in L2). A and B
 come in by TMA from 2D views that stack the batch along rows (tma.rows_stacked), so every
 dimension must be a multiple of its block; ``mm_tma`` returns None otherwise and the caller uses
-cuBLAS. Against cuBLAS: docs/benchmarks.md, "Fused GEMM + a X" (it is switched off by default).
+cuBLAS. Against cuBLAS: docs/benchmarks.md, "Fused GEMM + a X" (on for X <- a X + B X only).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,12 +24,41 @@ from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.tma import aligned, mma_step, num_sms, operand_descriptors, rows_stacked
 
-Config = tuple[int, int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, num_warps, num_stages)
+
+class Config(NamedTuple):
+    """A tile config of ``mm_tma``. ``split``: the epilogue reads C and stores the result in two
+    halves of BLOCK_N / 2 columns, which halves the output tile's shared memory (room for one
+    more pipeline stage). ``ws``: Triton's automatic warp specialization of the tile loop (a
+    producer warp feeds the copies, so one tile's epilogue overlaps the next tile's loads)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group: int
+    num_warps: int
+    num_stages: int
+    split: bool = False
+    ws: bool = False
+
+
 # What the Triton backend runs A @ B (MM_CONFIG) and alpha A @ B + beta C (MM_ADD_CONFIG) with;
-# None leaves that product to cuBLAS. Chosen from measurements: docs/benchmarks.md.
+# None leaves that product to cuBLAS. Chosen from measurements (docs/benchmarks.md, "Fused GEMM
+# + a X"): warp-specialized 128 x 256 tiles beat cuBLAS's baddbmm once every SM has
+# MM_ADD_MIN_TILES_PER_SM output tiles (measured: 31 per SM wins by 5-7%, 3.9 per SM loses by
+# 22%); cuBLAS's bmm stays faster for A @ B on every measured shape.
+DEFAULT_CONFIG = Config(128, 256, 64, 8, 8, 3, ws=True)  # of a direct mm_tma call: the fastest measured
 MM_CONFIG: Config | None = None
-MM_ADD_CONFIG: Config | None = None
-DEFAULT_CONFIG: Config = (128, 256, 64, 8, 8, 3)  # of a direct mm_tma call: the fastest measured
+MM_ADD_CONFIG: Config | None = DEFAULT_CONFIG
+MM_ADD_MIN_TILES_PER_SM = 8
+
+
+def add_config(L: int, M: int, N: int, sms: int) -> Config | None:
+    """The config the Triton backend computes alpha (L, M, K) @ (L, K, N) + beta C with, or None
+    for cuBLAS: MM_ADD_CONFIG where its output tiles give every one of ``sms`` SMs enough."""
+    cfg = MM_ADD_CONFIG
+    if cfg is None or L * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) < MM_ADD_MIN_TILES_PER_SM * sms:
+        return None
+    return cfg
 
 
 @triton.jit
@@ -64,18 +95,18 @@ def _mm_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WS: tl.constexpr,
     NUM_SMS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """``A_T``/``B_T``: that operand's unit stride is its row dim and its descriptor holds the
-    transpose. C is read with plain loads straight into the accumulator's registers (any
-    strides): a TMA tile of C would need shared memory beside the pipeline's stages and the
-    output tile, which the 128 x 256 tile does not leave."""
+    transpose. ``SPLIT``/``WS``: see ``Config``."""
     tiles_m = M // BLOCK_M
     tiles_n = N // BLOCK_N
     per_matrix = tiles_m * tiles_n
     k_tiles = K // BLOCK_K
-    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS):
+    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS, warp_specialize=WS):
         batch = tile // per_matrix
         ti, tj = _band_tile(tile % per_matrix, tiles_m, tiles_n, GROUP)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -83,14 +114,33 @@ def _mm_tma_kernel(
             acc = mma_step(
                 acc, a_desc, b_desc, batch, ti, tj, kk, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, A_T, B_T, INTERPRET
             )
-        if HAS_C:  # torch.baddbmm's order: alpha * (a @ b) + beta * c, in float32
-            rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = tj * BLOCK_N + tl.arange(0, BLOCK_N)
-            c_tile = c_ptr + batch.to(tl.int64) * s_cb + rows[:, None] * s_cm + cols[None, :] * s_cn
-            acc = alpha * acc + beta * tl.load(c_tile).to(tl.float32)
+        row, col = ti * BLOCK_M, tj * BLOCK_N
+        c_tile = c_ptr + batch.to(tl.int64) * s_cb + row * s_cm + col * s_cn
+        out_row = batch * M + row
+        if SPLIT:  # two halves of BLOCK_N / 2 columns, each read, finished and stored alone
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            _finish(left, c_tile, out_desc, out_row, col, s_cm, s_cn, alpha, beta, HAS_C, INTERPRET)
+            c_right = c_tile + (BLOCK_N // 2) * s_cn
+            _finish(right, c_right, out_desc, out_row, col + BLOCK_N // 2, s_cm, s_cn, alpha, beta, HAS_C, INTERPRET)
         else:
-            acc = alpha * acc
-        out_desc.store([batch * M + ti * BLOCK_M, tj * BLOCK_N], round_to(acc, out_desc.dtype, INTERPRET))
+            _finish(acc, c_tile, out_desc, out_row, col, s_cm, s_cn, alpha, beta, HAS_C, INTERPRET)
+
+
+@triton.jit
+def _finish(acc, c_tile, out_desc, out_row, col, s_cm, s_cn, alpha, beta, HAS_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """alpha * acc + beta * C (torch.baddbmm's order, in float32), rounded and stored by TMA at
+    (out_row, col) of the stacked output; ``c_tile`` points at C's element of the block's
+    top-left corner. C is read with plain loads straight into the accumulator's registers (any
+    strides): a TMA tile of C would need shared memory beside the pipeline's stages and the
+    output tile."""
+    if HAS_C:
+        rows = tl.arange(0, acc.shape[0])
+        cols = tl.arange(0, acc.shape[1])
+        acc = alpha * acc + beta * tl.load(c_tile + rows[:, None] * s_cm + cols[None, :] * s_cn).to(tl.float32)
+    else:
+        acc = alpha * acc
+    out_desc.store([out_row, col], round_to(acc, out_desc.dtype, INTERPRET))
 
 
 def mm_tma(
@@ -108,7 +158,8 @@ def mm_tma(
     strides, each matrix under 2^31 elements)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    block_m, block_n, block_k, group, num_warps, num_stages = config or DEFAULT_CONFIG
+    cfg = Config(*(config or DEFAULT_CONFIG))
+    block_m, block_n, block_k = cfg.block_m, cfg.block_n, cfg.block_k
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"mm expects (L, M, K) @ (L, K, N); got {tuple(a.shape)} @ {tuple(b.shape)}")
     L, M, K = a.shape
@@ -132,7 +183,7 @@ def mm_tma(
     if out is None:
         out = torch.empty((L, M, N), dtype=a.dtype, device=a.device)
     a_desc, b_desc, a_t, b_t = operand_descriptors(sa, sb, block_m, block_n, block_k)
-    out_desc = TensorDescriptor.from_tensor(out.view(L * M, N), [block_m, block_n])
+    out_desc = TensorDescriptor.from_tensor(out.view(L * M, N), [block_m, block_n // 2 if cfg.split else block_n])
     c_arg, c_strides = (c, c.stride()) if has_c else (out, (0, 0, 0))  # C is never read without has_c
     sms = num_sms(a.device)
     grid = (min(sms, L * (M // block_m) * (N // block_n)),)
@@ -154,10 +205,12 @@ def mm_tma(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        GROUP=group,
+        GROUP=cfg.group,
+        SPLIT=cfg.split,
+        WS=cfg.ws,
         NUM_SMS=sms,
         INTERPRET=interpreting(),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

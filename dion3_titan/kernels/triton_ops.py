@@ -169,17 +169,19 @@ def _sym_gemm_tma_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
+    WS: tl.constexpr,
     NUM_SMS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent form of ``_sym_gemm_kernel`` for n % BLOCK == 0 and k % BLOCK_K == 0: one
     program per SM walks the lower tiles of every matrix; operands come in by TMA from 2D views
     that stack the batch along rows, so a tile never straddles two matrices. ``A_T``/``B_T``:
-    the operand's unit stride is its row dim, and the descriptor holds its transpose."""
+    the operand's unit stride is its row dim, and the descriptor holds its transpose. ``WS``:
+    Triton's automatic warp specialization of the tile loop (see triton_mm.Config)."""
     side = n // BLOCK
     per_matrix = side * (side + 1) // 2
     k_tiles = k // BLOCK_K
-    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS):
+    for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS, warp_specialize=WS):
         batch = tile // per_matrix
         ti, tj = _lower_tile(tile % per_matrix, side, GROUP)
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
@@ -247,7 +249,7 @@ def sym_gemm(
     ``out`` (L, n, n) receives the result (tests pass a NaN-filled one to see every element written).
     """
     L, n, k = _check_sym_operands(a, b)
-    if config is None and TMA_CONFIG is not None and a.is_cuda and _tma_pays(a, n):
+    if config is None and TMA_CONFIG is not None and a.is_cuda and tma_pays(L, n, k, num_sms(a.device)):
         done = launch_or_none("sym_gemm_tma", lambda: sym_gemm_tma(a, b, c, alpha, beta, out=out))
         if done is not None:
             return done
@@ -296,17 +298,22 @@ def sym_gemm(
     return out
 
 
-# Persistent TMA form, same fields as SYM_CONFIG (the fastest config tried); None turns it off.
-TMA_CONFIG: tuple[int, int, int, int, int] | None = (128, 64, 8, 8, 4)
-# The persistent kernel pays off only once every SM has several tiles to walk; below that the
-# per-tile kernel is faster. Measurements of both: docs/benchmarks.md, "Symmetric GEMM vs cuBLAS".
-TMA_MIN_TILES_PER_SM = 8
+# Persistent TMA form: SYM_CONFIG's fields, then an optional warp-specialization flag (the
+# fastest config tried); None turns it off.
+TMA_CONFIG: tuple | None = (128, 64, 8, 8, 4)
+# The persistent kernel pays off once every SM has enough work to walk, counted in k-steps of
+# its tiles (tiles x k / BLOCK_K per SM): at the same 576 tiles it wins at k = 4096 and loses
+# at k = 1024. Below the threshold the per-tile kernel is faster. Measurements of both
+# (docs/benchmarks.md, "Symmetric GEMM dispatch"): per-tile wins at 70 and 132 k-steps per SM,
+# persistent at 140 (by 10%) and from 279 on; 200 keeps a margin from the loss at 132.
+TMA_MIN_KSTEPS_PER_SM = 200
 
 
-def _tma_pays(a: torch.Tensor, n: int) -> bool:
-    L, block = a.shape[0], TMA_CONFIG[0]
+def tma_pays(L: int, n: int, k: int, sms: int) -> bool:
+    """Whether ``sym_gemm`` takes the persistent kernel for L products (n x k) @ (k x n)."""
+    block, block_k = TMA_CONFIG[0], TMA_CONFIG[1]
     side = triton.cdiv(n, block)
-    return L * side * (side + 1) // 2 >= TMA_MIN_TILES_PER_SM * num_sms(a.device)
+    return L * side * (side + 1) // 2 * triton.cdiv(k, block_k) >= TMA_MIN_KSTEPS_PER_SM * sms
 
 
 def sym_gemm_tma(
@@ -324,7 +331,7 @@ def sym_gemm_tma(
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     L, n, k = _check_sym_operands(a, b)
-    block, block_k, group, num_warps, num_stages = config or TMA_CONFIG
+    block, block_k, group, num_warps, num_stages, *flags = config or TMA_CONFIG
     has_c = c is not None and beta != 0.0
     sa, sb = rows_stacked(a), rows_stacked(b)
     if (
@@ -364,6 +371,7 @@ def sym_gemm_tma(
         BLOCK=block,
         BLOCK_K=block_k,
         GROUP=group,
+        WS=bool(flags and flags[0]),
         NUM_SMS=sms,
         INTERPRET=interpreting(),
         num_warps=num_warps,
@@ -406,7 +414,8 @@ class TritonOps(TorchOps):
         return out if out is not None else super().mm(a, b)
 
     def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        out = self._mm(a, b, c, alpha, beta, triton_mm.MM_ADD_CONFIG)
+        config = triton_mm.add_config(a.shape[0], a.shape[1], b.shape[2], num_sms(a.device))
+        out = self._mm(a, b, c, alpha, beta, config)
         return out if out is not None else super().mm_add(a, b, c, alpha, beta)
 
     def _mm(self, a, b, c, alpha, beta, config) -> torch.Tensor | None:

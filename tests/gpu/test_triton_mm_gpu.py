@@ -10,8 +10,14 @@ pytestmark = [
 ]
 
 DTYPES = (torch.float16, torch.bfloat16)
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages): the fastest measured and a 128 x 128 tile
-CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 5)]
+# triton_mm.Config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, warps, stages[, split, ws]): the default,
+# a 128 x 128 tile, the epilogue in two halves with a fourth stage, warp-specialized
+CONFIGS = [
+    (128, 256, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 5),
+    (128, 256, 64, 8, 8, 4, True),
+    (128, 256, 64, 8, 8, 3, False, True),
+]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -50,6 +56,7 @@ def test_backend_products_through_the_tma_gemm(dtype, seed: int, monkeypatch) ->
 
     monkeypatch.setattr(triton_mm, "MM_CONFIG", CONFIGS[0])
     monkeypatch.setattr(triton_mm, "MM_ADD_CONFIG", CONFIGS[0])
+    monkeypatch.setattr(triton_mm, "MM_ADD_MIN_TILES_PER_SM", 0)  # these small shapes too
     ops = TritonOps()
     for n, m in [(512, 512), (384, 1024), (200, 640)]:
         p = torch.randn(4, n, n, device="cuda").to(dtype) / n**0.5
@@ -62,8 +69,8 @@ def test_backend_products_through_the_tma_gemm(dtype, seed: int, monkeypatch) ->
 
 
 def test_standard_ns_on_triton_matches_torch(seed: int, monkeypatch) -> None:
-    """Standard NS (square shapes, "auto") with X <- a X + B X in the TMA GEMM (switched on
-    here): as accurate against float64 as the torch backend in fp16, for either memory order
+    """Standard NS (square shapes, "auto") with X <- a X + B X in the TMA GEMM (its default
+    config; the size rule lifted here): as accurate against float64 as the torch backend in fp16, for either memory order
     of X, each of the five steps' products through the kernel."""
     from dion3_titan.kernels import get_backend, triton_mm
     from dion3_titan.optim.config import Dion3Config
@@ -78,7 +85,7 @@ def test_standard_ns_on_triton_matches_torch(seed: int, monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(triton_mm, "mm_tma", spy)
-    monkeypatch.setattr(triton_mm, "MM_ADD_CONFIG", triton_mm.DEFAULT_CONFIG)
+    monkeypatch.setattr(triton_mm, "MM_ADD_MIN_TILES_PER_SM", 0)  # 8 x 1024^2 is under the rule's size
     cfg = Dion3Config()
     fp16 = NSSettings("auto", cfg.coefficients(), cfg.ns_restarts, torch.float16, cfg.ns_eps)
     fp64 = NSSettings("auto", cfg.coefficients(), cfg.ns_restarts, torch.float64, cfg.ns_eps)
