@@ -54,8 +54,8 @@ def test_backend_products_through_the_tma_gemm(dtype, seed: int, monkeypatch) ->
     from dion3_titan.kernels import triton_mm
     from dion3_titan.kernels.triton_ops import TritonOps
 
-    monkeypatch.setattr(triton_mm, "MM_CONFIG", CONFIGS[0])
-    monkeypatch.setattr(triton_mm, "MM_ADD_CONFIG", CONFIGS[0])
+    monkeypatch.setattr(triton_mm, "MM_CONFIG", triton_mm.Config(*CONFIGS[0]))
+    monkeypatch.setattr(triton_mm, "MM_ADD_CONFIG", triton_mm.Config(*CONFIGS[0]))
     monkeypatch.setattr(triton_mm, "MM_ADD_MIN_TILES_PER_SM", 0)  # these small shapes too
     ops = TritonOps()
     for n, m in [(512, 512), (384, 1024), (200, 640)]:
