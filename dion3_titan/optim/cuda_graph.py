@@ -34,6 +34,13 @@ def release_all() -> None:
         g.release()
 
 
+def replaying(runners) -> bool:
+    """Whether a container's step is replayed now: it has captured step runners and every one
+    holds its graph (after its eager warm-up steps, until the graphs are released)."""
+    graphed = [r for r in runners if isinstance(r, GraphedOptimizer)]
+    return bool(graphed) and all(r.graph is not None for r in graphed)
+
+
 def check_warmup(steps) -> None:
     """The number of eager steps before capture: at least one, because kernels compile and
     buffers are allocated there, which capture cannot do."""

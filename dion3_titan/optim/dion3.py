@@ -285,7 +285,7 @@ class Dion3(torch.optim.Optimizer):
         """Everything a step does on the device, every state write gated by the gradients'
         ``ok`` flag (optim/nonfinite.py). It never waits on the device, so the same code runs
         eagerly and inside a CUDA-graph capture."""
-        self.nonfinite.check(self._named_grads(), self._device())
+        self.nonfinite.check(self._named_grads, self._device())
         if self.replicate_sync == "compressed":  # AdamW's gradients as FSDP2 would have synced them
             grads = [p.grad for g, c in zip(self.param_groups, self._configs) if c is None for p in g["params"]]
             average_over_replicas([g for g in grads if g is not None], self.comm_stats)

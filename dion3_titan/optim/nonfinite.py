@@ -115,17 +115,19 @@ class NonfiniteGuard:
         return self._norm_given
 
     # ----------------------------------------------------------------- device side (capturable)
-    def check(self, named_grads: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    def check(self, local_grads: Callable[[], Sequence[tuple[str, torch.Tensor]]], device: torch.device) -> None:
         """Compute this step's ``ok``: from the given gradient norm, or from the local
         gradients (one multi-tensor reduction and, in a distributed run, one all-reduce of the
-        flag so every rank decides alike)."""
-        self._names = [name for name, _ in named_grads]
+        flag so every rank decides alike). ``local_grads()`` lists them by name; it is called
+        only for the own pass, so a step given a norm has no per-gradient Python either."""
         if self._norm_given:
             self._source = "gradient_norm"
             ok = norm_ok(self._norm).reshape(1)
             self._set_flags(torch.cat([ok, self._norm.reshape(1)]))
             return
         self._source = "own_pass"
+        named_grads = local_grads()
+        self._names = [name for name, _ in named_grads]
         grads = [g for _, g in named_grads]
         if grads:
             # max |g| per tensor: finite exactly when every entry is (NaN propagates)

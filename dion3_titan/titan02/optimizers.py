@@ -21,7 +21,7 @@ from torchtitan.tools.logging import logger
 from dion3_titan import clipping, compressed
 from dion3_titan.names import DION3_KEYS, NAMES, PRMUON_KEYS, resolve_options
 from dion3_titan.optim.config import Dion3Config
-from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup
+from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup, replaying
 from dion3_titan.optim.routing import build_param_groups
 from dion3_titan.optim.split import with_auto_split_specs
 from dion3_titan.optimizer_metrics import OptimizerMetrics, combine
@@ -162,10 +162,9 @@ class Dion3OptimizersContainer(OptimizersContainer):
 
     @property
     def captured(self) -> bool:
-        """Whether the step is being replayed now: every captured step runner holds its graph
-        (after ``cuda_graph_warmup`` eager steps, until the graphs are released)."""
-        graphed = [r for r in self._runners if isinstance(r, GraphedOptimizer)]
-        return bool(graphed) and all(r.graph is not None for r in graphed)
+        """Whether the step is being replayed now (after ``cuda_graph_warmup`` eager steps,
+        until the graphs are released)."""
+        return replaying(self._runners)
 
     def align_step(self, step: int) -> None:
         """The trainer's step, so that the logging steps stay aligned with it after a resume."""

@@ -26,7 +26,7 @@ from torchtitan.tools.logging import logger
 from dion3_titan import clipping, compressed
 from dion3_titan.dist.replicas import average_over_replicas
 from dion3_titan.names import NAMES, PRMUON_KEYS, resolve_options
-from dion3_titan.optim.cuda_graph import GraphedOptimizer
+from dion3_titan.optim.cuda_graph import GraphedOptimizer, replaying
 from dion3_titan.optim.dion3 import Dion3
 from dion3_titan.optim.nonfinite import norm_ok
 from dion3_titan.optimizer_metrics import OptimizerMetrics, combine
@@ -218,10 +218,9 @@ class Dion3Optimizers(OptimizersContainer):
 
     @property
     def captured(self) -> bool:
-        """Whether the step is being replayed now: every captured step runner holds its graph
-        (after ``cuda_graph_warmup`` eager steps, until the graphs are released)."""
-        graphed = [r for r in self._runners if isinstance(r, GraphedOptimizer)]
-        return bool(graphed) and all(r.graph is not None for r in graphed)
+        """Whether the step is being replayed now (after ``cuda_graph_warmup`` eager steps,
+        until the graphs are released)."""
+        return replaying(self._runners)
 
     def use_gradient_norm(self, norm: torch.Tensor) -> None:
         """This step's total gradient norm, from torchtitan's clipping (clipping.py): our
