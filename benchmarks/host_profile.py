@@ -118,15 +118,42 @@ def launch_counts(step, grads: GradFiller) -> Counter:
     return counts, kernels
 
 
-def build(model_name: str, layers: str, options: dict, device, mesh) -> tuple:
+def build(model_name: str, layers: str, options: dict, device, mesh, given_norm: bool = False) -> tuple:
     """(step, gradient filler) of an eager Dion3 on the model's shapes, warmed up (kernels
-    compiled, tables built)."""
+    compiled, tables built). ``given_norm``: each step is handed the gradients' total norm
+    first, as torchtitan's gradient clipping does (dion3_titan/clipping.py), so it makes no
+    finiteness pass of its own."""
     _, shape, _ = model_shape(parse_args(["--model", model_name, "--layers", layers]))
     model = build_model(shape, device, mesh, 0)
     grads = GradFiller(model, device, 1)
     step = make_runner(BenchConfig("x", "x", "dion3", options), model, device, None).step
+    if given_norm:
+        opt = step.__self__
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.locals]))
+
+        def step() -> None:
+            opt.use_gradient_norm(norm)
+            opt.step()
+
     host_times(step, grads, 4)
     return step, grads
+
+
+def ab_launch_cache(a, options: dict, device, mesh) -> None:
+    """Host ms per step with the launch cache on and off, interleaved in one process (the host's
+    own speed drifts between calls more than the difference)."""
+    from dion3_titan.kernels import launch
+
+    step, grads = build(a.model, a.layers.split(",")[-1], options, device, mesh, a.given_norm)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(a.ab_launch_cache):
+        for on in (True, False):
+            launch.ENABLED = on
+            times[on] += host_times(step, grads, 5)[0]
+    launch.ENABLED = True
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(f"launch cache A/B ({a.ab_launch_cache} rounds of 5 steps): host ms median on {on:.2f}, off {off:.2f}")
+    del step, grads
 
 
 def main() -> None:
@@ -137,15 +164,33 @@ def main() -> None:
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--top", type=int, default=45)
+    p.add_argument("--given-norm", action="store_true", help="hand each step the gradient norm (as under torchtitan)")
+    p.add_argument(
+        "--ab-launch-cache",
+        type=int,
+        default=0,
+        help="then this many rounds of steps with kernels/launch.py's cache on and off, interleaved",
+    )
+    p.add_argument("--dump", default="", help="also write the cProfile's stats to this file (pstats)")
+    p.add_argument(
+        "--triton-min-n", type=int, default=0, help="override dispatch.TRITON_MIN_N (an A/B of the torch/Triton split)"
+    )
     a = p.parse_args()
+    if a.triton_min_n:
+        from dion3_titan.kernels import dispatch
+
+        dispatch.TRITON_MIN_N = a.triton_min_n
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (it times host time against an asynchronous device)")
     device, mesh = init_distributed("cuda")
     options = {"flavor": a.flavor, "weight_decay": 0.01, "fraction": a.fraction, "ns_algorithm": "gram"}
-    print(f"{torch.cuda.get_device_name(device)}, {a.model} shapes, {a.flavor} f={a.fraction:g}")
+    print(
+        f"{torch.cuda.get_device_name(device)}, {a.model} shapes, {a.flavor} f={a.fraction:g}"
+        + (", gradient norm given" if a.given_norm else ", own finiteness pass")
+    )
     layer_counts = a.layers.split(",")
     for layers in layer_counts:
-        step, grads = build(a.model, layers, options, device, mesh)
+        step, grads = build(a.model, layers, options, device, mesh, a.given_norm)
         host, tail = host_times(step, grads, a.repeats)
         print(
             f"{layers} layers: eager host ms median {statistics.median(host):.2f} (min {min(host):.2f}, max "
@@ -155,8 +200,10 @@ def main() -> None:
         del step, grads
         torch.cuda.empty_cache()
 
+    if a.ab_launch_cache:
+        ab_launch_cache(a, options, device, mesh)
     totals = timed_stages()
-    step, grads = build(a.model, layer_counts[-1], options, device, mesh)
+    step, grads = build(a.model, layer_counts[-1], options, device, mesh, a.given_norm)
     for v in totals.values():
         v[0], v[1] = 0.0, 0
     host, _ = host_times(step, grads, a.repeats)
@@ -177,6 +224,8 @@ def main() -> None:
         step()
     prof.disable()
     torch.cuda.synchronize()
+    if a.dump:
+        prof.dump_stats(a.dump)
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(a.top)

@@ -1,7 +1,7 @@
 """Host microseconds per launch of what an eager optimizer step calls: torch ops, the torch
 backend's symmetric product, our Triton symmetric GEMM (per-tile and persistent), the bare
-Triton JIT launch of the same kernel, its argument binding alone, and a direct call of the
-compiled kernel (what a launch cache would cost).
+Triton JIT launch of the same kernel, its argument binding alone, a direct call of the
+compiled kernel, and kernels/launch.py's cached launch of it.
 
     python scripts/bench_launch_cost.py      # one GPU, ~20 s
 """
@@ -13,7 +13,7 @@ import time
 import torch
 import triton
 
-from dion3_titan.kernels import triton_ops
+from dion3_titan.kernels import launch, triton_ops
 from dion3_titan.kernels.torch_ops import mirror_lower
 
 
@@ -75,6 +75,7 @@ def main() -> None:
     rows["Triton JIT launch, same kernel"] = lambda: kernel[grid](*args, **kw)
     rows["  of which the argument binding"] = lambda: binder(*args, **kw)
     rows["compiled kernel called directly"] = lambda: run(*bound)
+    rows["kernels/launch.py: the cached launch"] = lambda: launch.launch(kernel, grid, *args, **kw)
     print(torch.cuda.get_device_name(dev), f"triton {triton.__version__}, torch {torch.__version__}; host us per call")
     for name, fn in rows.items():
         print(f"  {name:45s} {per_call_us(fn):7.1f}")

@@ -2,6 +2,7 @@
 
 - One CPU thread per test process (below).
 - Tests marked ``gpu`` are skipped on machines without CUDA.
+- Cached kernel launches are verified against the JIT (``DION3_VERIFY_LAUNCHES``, below).
 - Random inputs: a test that draws fresh random inputs takes the ``seed`` fixture. One seed is
   drawn per session (from ``DION3_TEST_SEED`` when set, else from the OS), shown in the report
   header and on every failure of a test that used it, so a failing draw can be replayed.
@@ -30,6 +31,10 @@ def _session_seed() -> int:
 # many times slower with threads of several processes contending for the same cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Every launch that takes kernels/launch.py's cache is checked against the JIT's own choice of
+# compiled kernel (in this process and the ranks and trainers it spawns).
+os.environ.setdefault("DION3_VERIFY_LAUNCHES", "1")
 
 SESSION_SEED = _session_seed()
 # pytest-xdist's workers and the tests' own subprocesses inherit it: one seed for the session

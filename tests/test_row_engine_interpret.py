@@ -347,32 +347,11 @@ def _group_checks() -> list[dict]:
 
 
 def count_launches():
-    """A context manager counting Triton kernel launches by kernel name (every JIT function,
-    compiled or interpreted), through the launch entry point ``run``."""
-    import collections
-    import contextlib
+    """A context manager counting Triton kernel launches by kernel name (compiled or
+    interpreted, cached or not: every kernel of ours launches through kernels/launch.py)."""
+    from dion3_titan.kernels import launch
 
-    from dion3_titan.kernels import row_engine as rk
-
-    cls = type(rk._update_rows_kernel)
-
-    @contextlib.contextmanager
-    def counting():
-        counts: collections.Counter = collections.Counter()
-        run = cls.run
-
-        def counted(self, *args, **kwargs):
-            if not kwargs.get("warmup"):
-                counts[self.__name__] += 1
-            return run(self, *args, **kwargs)
-
-        cls.run = counted
-        try:
-            yield counts
-        finally:
-            cls.run = run
-
-    return counting()
+    return launch.counting()
 
 
 def _launch_checks() -> list[dict]:

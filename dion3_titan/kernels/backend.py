@@ -4,14 +4,17 @@ Orthogonalization and the weight update are written against these five ops only,
 is chosen per shape without touching the algorithms.
 """
 
+import functools
 import os
 
 import torch
 
 
+@functools.cache
 def interpreting() -> bool:
     """Whether Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1): then they also
-    take CPU tensors."""
+    take CPU tensors. Read once per process, as Triton itself does when it decorates a kernel
+    (it is asked at every launch)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from dion3_titan.kernels.backend import interpreting
+from dion3_titan.kernels.launch import cdiv, launch, next_power_of_2
 from dion3_titan.kernels.rounding import round_to
 
 # (BLOCK_R, BLOCK_C, num_warps) per kernel when every view's columns are contiguous (wide row
@@ -145,17 +146,20 @@ def operand(
     ``present[i]`` False: view i only stands in for its matrices (never read nor written)."""
     here = [True] * len(views) if present is None else [bool(p) for p in present]
     base = next((v for v, p in zip(views, here) if p), views[0])
-    if any(v.dim() != 3 or v.shape[1:] != base.shape[1:] for v in views):
-        raise ValueError(f"row engine: views must be (B, R, C) of one R, C: {[tuple(v.shape) for v in views]}")
-    if any(p and (v.dtype != base.dtype or v.device != base.device) for v, p in zip(views, here)):
-        raise ValueError("row engine: the views of one operand must share dtype and device")
     size, origin = base.element_size(), base.data_ptr()
-    # what the table depends on: addresses relative to the base (none for a single tensor)
-    key = ("view", base.dtype, base.device) + tuple(
-        (v.data_ptr() - origin if p else 0, tuple(v.shape), v.stride(), p) for v, p in zip(views, here)
+    # what the table depends on (addresses relative to the base: none for a single tensor) and
+    # what the checks in build() read, so a key seen before needs no checking again; one pass,
+    # since this runs for every operand of every launch
+    key = ("view", base.dtype, base.device, base.stride()) + tuple(
+        (v.data_ptr() - origin, v.shape, v.stride(), v.dtype, v.device) if p else (v.shape,)
+        for v, p in zip(views, here)
     )
 
     def build() -> tuple[torch.Tensor, int, int]:
+        if any(v.dim() != 3 or v.shape[1:] != base.shape[1:] for v in views):
+            raise ValueError(f"row engine: views must be (B, R, C) of one R, C: {[tuple(v.shape) for v in views]}")
+        if any(p and (v.dtype != base.dtype or v.device != base.device) for v, p in zip(views, here)):
+            raise ValueError("row engine: the views of one operand must share dtype and device")
         rows, offsets = [], []
         for v, p in zip(views, here):
             if not p:  # never dereferenced: zeros (a multiple of any alignment)
@@ -301,8 +305,10 @@ def accumulate_scores_group(
     has_g = any(g is not None for g in gs)
     go = operand([m if g is None else g for m, g in zip(ms, gs)], [g is not None for g in gs], cache) if has_g else mo
     block_r, block_c, warps = _tiles("accumulate", mo.layout, go.layout)
-    block_c = min(block_c, triton.next_power_of_2(max(C, 1)))
-    _accumulate_scores_kernel[(N, triton.cdiv(R, block_r))](
+    block_c = min(block_c, next_power_of_2(max(C, 1)))
+    launch(
+        _accumulate_scores_kernel,
+        (N, cdiv(R, block_r)),
         mo.base,
         mo.table,
         go.base,
@@ -393,8 +399,10 @@ def normuon_factors(
     scale = torch.empty(N, dtype=torch.float32, device=rowsq.device)
     if N == 0:
         return den, scale, v_new
-    block = min(1024, triton.next_power_of_2(max(K, 1)))
-    _normuon_factors_kernel[(N,)](
+    block = min(1024, next_power_of_2(max(K, 1)))
+    launch(
+        _normuon_factors_kernel,
+        (N,),
         rowsq,
         v,
         _flag(void.contiguous()) if void is not None else rowsq,
@@ -490,9 +498,11 @@ def gather_rows_group(
     mo = operand(ms, active, cache)
     idx = rows if rows is not None else out  # never read when EVERY
     block_r, block_c, warps = _tiles("gather", mo.layout, _tensor_layout(out))
-    block_c = min(block_c, triton.next_power_of_2(C_out))
-    grid = (N, triton.cdiv(K, block_r), triton.cdiv(C_out, block_c))
-    _gather_rows_kernel[grid](
+    block_c = min(block_c, next_power_of_2(C_out))
+    grid = (N, cdiv(K, block_r), cdiv(C_out, block_c))
+    launch(
+        _gather_rows_kernel,
+        grid,
         mo.base,
         mo.table,
         idx,
@@ -700,9 +710,11 @@ def update_rows_group(
         scales = _scales([s for w, s in zip(weights, lr_scales) for _ in range(w.shape[0])], lr.device, cache)
     void = _flag(void.contiguous()) if void is not None else None
     block_r, block_c, warps = _tiles("update", wo.layout, mo.layout)
-    block_c = min(block_c, triton.next_power_of_2(C))
-    grid = (N, triton.cdiv(R, block_r), triton.cdiv(C, block_c))
-    _update_rows_kernel[grid](
+    block_c = min(block_c, next_power_of_2(C))
+    grid = (N, cdiv(R, block_r), cdiv(C, block_c))
+    launch(
+        _update_rows_kernel,
+        grid,
         wo.base,
         wo.table,
         mo.base,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from dion3_titan.kernels.backend import interpreting
+from dion3_titan.kernels.launch import cdiv, launch
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.tma import aligned, mma_step, num_sms, operand_descriptors, rows_stacked
 
@@ -56,7 +57,7 @@ def add_config(L: int, M: int, N: int, sms: int) -> Config | None:
     """The config the Triton backend computes alpha (L, M, K) @ (L, K, N) + beta C with, or None
     for cuBLAS: MM_ADD_CONFIG where its output tiles give every one of ``sms`` SMs enough."""
     cfg = MM_ADD_CONFIG
-    if cfg is None or L * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) < MM_ADD_MIN_TILES_PER_SM * sms:
+    if cfg is None or L * cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) < MM_ADD_MIN_TILES_PER_SM * sms:
         return None
     return cfg
 
@@ -187,7 +188,9 @@ def mm_tma(
     c_arg, c_strides = (c, c.stride()) if has_c else (out, (0, 0, 0))  # C is never read without has_c
     sms = num_sms(a.device)
     grid = (min(sms, L * (M // block_m) * (N // block_n)),)
-    _mm_tma_kernel[grid](
+    launch(
+        _mm_tma_kernel,
+        grid,
         a_desc,
         b_desc,
         c_arg,

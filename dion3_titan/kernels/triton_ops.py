@@ -26,6 +26,7 @@ import triton.language as tl
 
 from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels.backend import interpreting
+from dion3_titan.kernels.launch import cdiv, launch, next_power_of_2
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.row_engine import row_slots, update_rows
 from dion3_titan.kernels.tma import aligned, launch_or_none, mma_step, num_sms, operand_descriptors, rows_stacked
@@ -214,7 +215,7 @@ def tile_order(side: int, group: int, device: torch.device | str = "cpu") -> tor
     launch order, for ``side`` = T tiles per side (for tests and for reading the schedule)."""
     count = side * (side + 1) // 2
     out = torch.full((count, 2), -1, dtype=torch.int32, device=device)
-    _tile_order_kernel[(1,)](out, count, side, GROUP=group, BLOCK=triton.next_power_of_2(count))
+    _tile_order_kernel[(1,)](out, count, side, GROUP=group, BLOCK=next_power_of_2(count))
     return out
 
 
@@ -270,9 +271,11 @@ def sym_gemm(
         c_arg, c_strides = c, c.stride()
     else:
         c_arg, c_strides = out, (0, 0, 0)  # never read
-    side = triton.cdiv(n, block)
+    side = cdiv(n, block)
     grid = (side * (side + 1) // 2, L)
-    _sym_gemm_kernel[grid](
+    launch(
+        _sym_gemm_kernel,
+        grid,
         a,
         b,
         c_arg,
@@ -312,8 +315,8 @@ TMA_MIN_KSTEPS_PER_SM = 200
 def tma_pays(L: int, n: int, k: int, sms: int) -> bool:
     """Whether ``sym_gemm`` takes the persistent kernel for L products (n x k) @ (k x n)."""
     block, block_k = TMA_CONFIG[0], TMA_CONFIG[1]
-    side = triton.cdiv(n, block)
-    return L * side * (side + 1) // 2 * triton.cdiv(k, block_k) >= TMA_MIN_KSTEPS_PER_SM * sms
+    side = cdiv(n, block)
+    return L * side * (side + 1) // 2 * cdiv(k, block_k) >= TMA_MIN_KSTEPS_PER_SM * sms
 
 
 def sym_gemm_tma(
@@ -355,7 +358,9 @@ def sym_gemm_tma(
     sms = num_sms(a.device)
     side = n // block
     grid = (min(sms, L * side * (side + 1) // 2),)
-    _sym_gemm_tma_kernel[grid](
+    launch(
+        _sym_gemm_tma_kernel,
+        grid,
         a_desc,
         b_desc,
         c_desc,
@@ -407,7 +412,7 @@ class TritonOps(TorchOps):
         # whole tiles: the persistent TMA kernel takes only sides that are a multiple of its
         # block (docs/benchmarks.md, "Padding the Gram side")
         block = TMA_CONFIG[0] if TMA_CONFIG is not None else 1
-        return n if n <= block else triton.cdiv(n, block) * block
+        return n if n <= block else cdiv(n, block) * block
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = self._mm(a, b, None, 1.0, 0.0, triton_mm.MM_CONFIG)
