@@ -32,6 +32,7 @@ def test_the_key_separates_what_triton_specializes() -> None:
         _key(None),
         _key(aligned, BLOCK=64),  # constexprs and options
         _key(aligned, BLOCK=128),
+        launch.key_of(test_the_key_separates_what_triton_specializes, (4, 1), (aligned,), {}, device=1),
         _key(TensorDescriptor.from_tensor(buf.view(8, 8), [8, 8])),
         _key(TensorDescriptor.from_tensor(buf.view(8, 8), [4, 8])),
     ]

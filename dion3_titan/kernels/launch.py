@@ -12,7 +12,8 @@ kernel by the launch's arguments and calls it directly:
 - an integer, a bool or None by its value: finer than Triton's specialization (integers equal
   to 1, multiples of 16, 32 or 64 bit), so two launches of one key always get the same
   compiled kernel. Our integer arguments are sizes and strides, the same every step;
-- the constexpr values and launch options (``meta``) and the grid, as given.
+- the constexpr values and launch options (``meta``), the grid, and the current device (where
+  the JIT launches too), as given.
 
 A launch whose key is new goes through the JIT (which compiles on first use) and its compiled
 kernel is kept. Under Triton's interpreter, with launch hooks set (a profiler), with an argument
@@ -58,8 +59,9 @@ class Unkeyed(Exception):
     """An argument the key cannot hold: the launch takes the JIT's path."""
 
 
-def key_of(kernel, grid: tuple, args: Sequence, meta: dict) -> tuple:
-    """The cache key of a launch (module docstring); raises Unkeyed for an argument it cannot hold."""
+def key_of(kernel, grid: tuple, args: Sequence, meta: dict, device: int = 0) -> tuple:
+    """The cache key of a launch on CUDA device ``device`` (module docstring; a compiled kernel
+    is loaded per device); raises Unkeyed for an argument it cannot hold."""
     spec = []
     for a in args:  # one plain loop: this runs for every launch of a step
         kind = a.__class__
@@ -75,7 +77,7 @@ def key_of(kernel, grid: tuple, args: Sequence, meta: dict) -> tuple:
             spec.append((a.base.dtype, tuple(a.block_shape)))
         else:
             raise Unkeyed(kind)
-    return (id(kernel), grid, tuple(meta.items()), tuple(spec))
+    return (id(kernel), device, grid, tuple(meta.items()), tuple(spec))
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
         kernel[grid](*args, **meta)
         return
     try:
-        key = key_of(kernel, grid, args, meta)
+        key = key_of(kernel, grid, args, meta, torch.cuda.current_device())
         entry = _ENTRIES.get(key)
     except (Unkeyed, TypeError):  # TypeError: a meta value that cannot be hashed
         stats["jit"] += 1
