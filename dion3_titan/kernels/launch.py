@@ -17,8 +17,9 @@ kernel by the launch's arguments and calls it directly:
 
 A launch whose key is new goes through the JIT (which compiles on first use) and its compiled
 kernel is kept. Under Triton's interpreter, with launch hooks set (a profiler), with an argument
-the key cannot hold, or with ``DION3_LAUNCH_CACHE=0``, every launch takes the JIT's path. ``VERIFY`` (the tests set it)
-checks on every cached launch that the JIT would have chosen the same compiled kernel.
+the key cannot hold, or with ``DION3_LAUNCH_CACHE=0``, every launch takes the JIT's path.
+``VERIFY`` (the tests set it) checks on every cached launch that the JIT would have chosen the
+same compiled kernel.
 
 Runtime arguments are passed positionally and constexprs by keyword, as at every call site
 here; the compiled kernel takes all of them in signature order.
@@ -107,23 +108,26 @@ def _hooked(hook: object) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _may_cache() -> bool:
+    """Whether a launch may take the cache now: switched on, compiled kernels, no launch hooks."""
+    runtime = knobs.runtime
+    return (
+        ENABLED and not interpreting() and not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook))
+    )
+
+
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``, through the cache of compiled kernels where it applies."""
     if _counts is not None:
         _counts[kernel.__name__] += 1
-    if (
-        not ENABLED
-        or interpreting()
-        or _hooked(knobs.runtime.launch_enter_hook)
-        or _hooked(knobs.runtime.launch_exit_hook)
-    ):
-        stats["jit"] += 1
-        kernel[grid](*args, **meta)
-        return
-    try:
-        key = key_of(kernel, grid, args, meta, torch.cuda.current_device())
-        entry = _ENTRIES.get(key)
-    except (Unkeyed, TypeError):  # TypeError: a meta value that cannot be hashed
+    key = entry = None
+    if _may_cache():
+        try:
+            key = key_of(kernel, grid, args, meta, torch.cuda.current_device())
+            entry = _ENTRIES.get(key)
+        except (Unkeyed, TypeError):  # TypeError: a meta value that cannot be hashed
+            key = None
+    if key is None:
         stats["jit"] += 1
         kernel[grid](*args, **meta)
         return
