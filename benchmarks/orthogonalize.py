@@ -43,9 +43,10 @@ VARIANTS = {
     "cublas_mm_add": [(triton_mm, "MM_ADD_CONFIG", None)],
     "mm_add_no_ws": [(triton_mm, "MM_ADD_CONFIG", triton_mm.Config(128, 256, 64, 8, 8, 3))],
     "triton_mm": [(triton_mm, "MM_CONFIG", _WIDE)],
-    "sym_8warps": [(triton_ops, "TMA_CONFIG", (128, 64, 8, 8, 4))],
-    "sym_4warps": [(triton_ops, "TMA_CONFIG", (128, 64, 8, 4, 4))],
-    "sym_ws": [(triton_ops, "TMA_CONFIG", (128, 64, 8, 8, 4, True))],
+    "sym_4warps": [(triton_ops, "TMA_CONFIG", triton_ops.TmaConfig(128, 64, 8, 4, 4))],
+    "sym_ws": [(triton_ops, "TMA_CONFIG", triton_ops.TmaConfig(128, 64, 8, 8, 4, ws=True))],
+    "sym_narrow": [(triton_ops, "TMA_WIDE_CONFIG", None)],
+    "sym_wide_all": [(triton_ops, "TMA_WIDE_MIN_N", 0)],
     "sym_tile_only": [(triton_ops, "TMA_MIN_KSTEPS_PER_SM", 2**40)],
 }
 SYM_SIDES = (2048, 4096, 8192)

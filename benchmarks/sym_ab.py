@@ -5,9 +5,11 @@ configs, and of the persistent TMA GEMM (kernels/triton_mm.py) against cuBLAS, i
     python scripts/bench_sym_ab.py [--baseline /tmp/base_triton_ops.py] [--shapes 4x8192,16x2816x4096] \
         [--gemm 32x2048x2048x2048+c,16x2816x2816x4096] [--reps 5]
 
-``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, then the persistent TMA kernel (in
-each of ``SYM_TMA_CONFIGS``), the per-tile kernel and the TMA kernel with C (alpha*AB + beta*C,
-square shapes only), baseline (when given) and current interleaved, each timed ``reps`` times
+``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, our CuteDSL kernel (banded and
+row-major tile order) and quack's ``gemm_symmetric`` where importable, then the persistent TMA
+kernel (in each of ``SYM_TMA_CONFIGS``, or with ``--configs default`` in the two configs
+``sym_gemm`` chooses from), the per-tile kernel and the TMA kernel with C (alpha*AB + beta*C,
+square shapes only, each of ``SYM_TMA_C_CONFIGS``), baseline (when given) and current interleaved, each timed ``reps`` times
 with ``triton.testing.do_bench``; the median of those runs is reported, with which kernel
 ``sym_gemm`` dispatches to. Every result is checked for exact symmetry and a lower triangle
 equal to the current default's first (a config that does not build is reported as such). ``--gemm``: L x M x K x N, "+c" for alpha*AB + beta*C (C is B itself when
@@ -39,19 +41,23 @@ GEMM_CONFIGS = [  # triton_mm.Config fields: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP, 
     (128, 256, 64, 8, 8, 3, True, True),
     (128, 128, 64, 8, 8, 4, False, True),
 ]
-SYM_TMA_CONFIGS = [  # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages[, ws])
+SYM_TMA_CONFIGS = [  # triton_ops.TmaConfig fields: (BLOCK, BLOCK_K, GROUP, num_warps, num_stages[, ws, wide])
     (128, 64, 8, 8, 4),
     (128, 64, 8, 8, 3),
-    (128, 64, 8, 8, 5),
-    (128, 128, 8, 8, 2),
-    (128, 64, 16, 8, 4),
     (128, 64, 8, 4, 4),
     (128, 64, 8, 8, 4, True),
+    (128, 64, 8, 8, 3, False, True),
+    (128, 64, 8, 8, 4, False, True),
+    (128, 64, 16, 8, 3, False, True),
+    (128, 64, 8, 8, 3, True, True),
 ]
+SYM_TMA_C_CONFIGS = [(128, 64, 8, 8, 4), (128, 64, 8, 8, 3, False, True), (128, 64, 8, 8, 4, False, True)]
 
 
 def _load(path: str):
-    """The baseline revision's triton_ops.py, a file the caller extracted (see the docstring)."""
+    """The baseline revision's triton_ops.py, a file the caller extracted (see the docstring).
+    It imports the rest of the package from the current tree, so the revision must be one whose
+    imports that tree still provides (for older ones, run the benchmark in their own checkout)."""
     spec = importlib.util.spec_from_file_location("baseline_triton_ops", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -79,7 +85,55 @@ def _sym_checked(fn, want: torch.Tensor, label: str) -> bool:
     return True
 
 
-def sym_rows(base, shapes: list[str], reps: int) -> list[dict]:
+def _with_group(group: int, fn):
+    """``fn`` run with the CuteDSL kernel's tile order switched to bands of ``group`` rows."""
+    from dion3_titan.kernels import cute_symm
+
+    def run():
+        saved, cute_symm.GROUP = cute_symm.GROUP, group
+        try:
+            return fn()
+        finally:
+            cute_symm.GROUP = saved
+
+    return run
+
+
+def cute_and_quack(x, c, want, want_c, shape: str) -> list:
+    """Our CuteDSL kernel (banded tile order, and row-major as before) and quack's symmetric
+    GEMM, for X X^T (and with C where ``want_c`` is given), where importable; each result
+    checked against the Triton kernel's (quack rounds in its own order: its difference is
+    printed, not required to be 0)."""
+    found = []
+    try:
+        from dion3_titan.kernels import cute_symm
+
+        if cute_symm.is_available():
+            found += [
+                ("cute(group 8)", lambda m: _with_group(8, lambda: cute_symm.sym_gemm(x, x.mT))()),
+                ("cute(group 1)", lambda m: _with_group(1, lambda: cute_symm.sym_gemm(x, x.mT))()),
+            ]
+            if want_c is not None:
+                found.append(("cute_addmm", lambda m: cute_symm.sym_gemm(x, x.mT, c, 0.5, -1.5)))
+    except ImportError as exc:
+        print(f"cute unavailable: {exc}")
+    try:
+        from quack.gemm_interface import gemm_symmetric
+
+        found.append(("quack", lambda m: gemm_symmetric(x, x.mT)))
+        if want_c is not None:
+            found.append(("quack_addmm", lambda m: gemm_symmetric(x, x.mT, C=c, alpha=0.5, beta=-1.5)))
+    except ImportError as exc:
+        print(f"quack unavailable: {exc}")
+    ok = []
+    for label, fn in found:
+        ref = want_c if label.endswith("addmm") else want
+        if _sym_checked(lambda: fn(None), ref, f"{shape} {label}"):
+            ok.append((label, fn))
+    return ok
+
+
+def sym_rows(base, shapes: list[str], reps: int, only_default: bool = False) -> list[dict]:
     rows = []
     revisions = [("baseline", base), ("current", current)] if base is not None else [("current", current)]
     for shape in shapes:
@@ -90,25 +144,34 @@ def sym_rows(base, shapes: list[str], reps: int) -> list[dict]:
         c = torch.randn(L, n, n, device="cuda", dtype=torch.float16, generator=gen)
         c = (c + c.mT) / 2
         want = current.sym_gemm_tma(x, x.mT)
+        want_c = current.sym_gemm_tma(x, x.mT, c, 0.5, -1.5) if k == n else None
         picks = (
             "tma" if current.tma_pays(L, n, k, torch.cuda.get_device_properties(0).multi_processor_count) else "tile"
         )
         print(f"L={L} n={n} k={k}: sym_gemm dispatches to {picks}")
         kernels = [("tile", lambda m, cfg=None: m.sym_gemm(x, x.mT, config=m.SYM_CONFIG))]
-        kernels += [(f"tma{cfg}", lambda m, cfg=cfg: m.sym_gemm_tma(x, x.mT, config=cfg)) for cfg in SYM_TMA_CONFIGS]
+        configs, c_configs = SYM_TMA_CONFIGS, SYM_TMA_C_CONFIGS
+        if only_default:
+            configs = c_configs = [tuple(current.TMA_CONFIG), tuple(current.TMA_WIDE_CONFIG)]
+        kernels += [(f"tma{cfg}", lambda m, cfg=cfg: m.sym_gemm_tma(x, x.mT, config=cfg)) for cfg in configs]
         if k == n:
-            kernels.append(("tma_addmm", lambda m: m.sym_gemm_tma(x, x.mT, c, 0.5, -1.5)))
+            kernels += [
+                (f"tma_addmm{cfg}", lambda m, cfg=cfg: m.sym_gemm_tma(x, x.mT, c, 0.5, -1.5, config=cfg))
+                for cfg in c_configs
+            ]
         cases = [("cublas_bmm", None, lambda m: torch.bmm(x, x.mT))]
+        cases += [(label, None, fn) for label, fn in cute_and_quack(x, c, want, want_c if k == n else None, shape)]
         for label, fn in kernels:
             for rev, mod in revisions:
-                if label == "tma_addmm" or _sym_checked(lambda: fn(mod), want, f"{rev} {shape} {label}"):
+                ref = want_c if label.startswith("tma_addmm") else want
+                if _sym_checked(lambda: fn(mod), ref, f"{rev} {shape} {label}"):
                     cases.append((label, rev, fn))
         side = triton.cdiv(n, 128)
         sym_flop = 2 * L * k * n * n * (side + 1) / (2 * side)
         for label, rev, fn in cases:
             mod = base if rev == "baseline" else current
             ms, runs = _timed(lambda: fn(mod), reps)
-            flop = 2 * L * n * n * k if label == "cublas_bmm" else sym_flop
+            flop = 2 * L * n * n * k if label == "cublas_bmm" else sym_flop  # quack too: lower tiles
             rows.append({"L": L, "n": n, "k": k, "kernel": label, "revision": rev, "ms": ms, "ms_runs": runs})
             rows[-1].update(tflops=flop / ms / 1e9, dispatch=picks)
             print(
@@ -161,9 +224,12 @@ def main() -> None:
     parser.add_argument("--shapes", default="4x8192,32x2048", help="comma-separated LxN or LxNxK")
     parser.add_argument("--gemm", default="", help="comma-separated LxMxKxN[+c]")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--configs", default="all", choices=["all", "default"], help="symmetric TMA configs to time (see above)"
+    )
     args = parser.parse_args()
     base = _load(args.baseline) if args.baseline else None
-    rows = sym_rows(base, [s for s in args.shapes.split(",") if s], args.reps)
+    rows = sym_rows(base, [s for s in args.shapes.split(",") if s], args.reps, args.configs == "default")
     gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     write_json(output_path(None, "bench_sym_ab.json"), {**meta, "rows": rows, "gemm": gemm})

@@ -47,6 +47,12 @@ def _run_checks(seed: int) -> list[dict]:
         expected = {(i, j) for i in range(side) for j in range(i + 1)}
         got = [tuple(p) for p in ij.tolist()]
         results.append({"check": "tiles", "case": f"side={side},group={group}", "ok": sorted(got) == sorted(expected)})
+    # wide tiles (BLOCK x 2 BLOCK): every (row, pair column) with pair <= row // 2 exactly once
+    for side, group in [(1, 2), (2, 2), (3, 2), (7, 2), (7, 4), (9, 4), (20, 8), (45, 8), (45, 16), (64, 8)]:
+        got = [tuple(p) for p in triton_ops.tile_order(side, group, wide=True).tolist()]
+        expected = {(i, p) for i in range(side) for p in range(i // 2 + 1)}
+        ok = sorted(got) == sorted(expected) and len(got) == triton_ops.wide_tiles(side)
+        results.append({"check": "tiles", "case": f"wide,side={side},group={group}", "ok": ok})
 
     for L, n, k, config in SYM_CASES:
         for dtype in (torch.float16, torch.bfloat16):
@@ -79,8 +85,14 @@ def _run_checks(seed: int) -> list[dict]:
                     )
 
     # the persistent TMA kernel (even shapes only), for every operand layout Gram NS passes; the
-    # second case with the warp-specialization flag set
-    for L, n, k, tma_config in [(2, 48, 32, (16, 16, 2, 4, 2)), (1, 64, 16, (16, 16, 2, 4, 2, True))]:
+    # second case with the warp-specialization flag set, the last two with wide tiles (an odd
+    # and an even number of tile rows)
+    for L, n, k, tma_config in [
+        (2, 48, 32, (16, 16, 2, 4, 2)),
+        (1, 64, 16, (16, 16, 2, 4, 2, True)),
+        (2, 48, 32, (16, 16, 2, 4, 2, False, True)),
+        (1, 64, 16, (16, 16, 4, 4, 2, True, True)),
+    ]:
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(L, n, k).to(dtype)
             r = torch.randn(L, n, n)
@@ -383,3 +395,35 @@ if __name__ == "__main__":
     patch_language_once()
     for result in _run_checks(int(sys.argv[1])):
         print(json.dumps(result))
+
+
+def test_wide_tma_config_needs_even_group() -> None:
+    from dion3_titan.kernels import triton_ops
+
+    x = torch.randn(1, 32, 16).half()
+    with pytest.raises(ValueError, match="even GROUP"):
+        triton_ops.sym_gemm_tma(x, x.mT, config=(16, 16, 3, 4, 2, False, True))
+
+
+def test_scratch_allocator_leaves_a_programs_own() -> None:
+    """The persistent kernels need an allocator for their device-side descriptors: ours is set
+    only where the program has none, never over the program's own."""
+    import triton
+    from triton.runtime import _allocation
+
+    from dion3_titan.kernels import tma
+
+    saved = _allocation._allocator.get()
+    try:
+        triton.set_allocator(_allocation.NullAllocator())
+        tma.ensure_scratch_allocator()
+        assert _allocation._allocator.get() is tma.torch_scratch
+
+        def own(size: int, alignment: int, stream):
+            return torch.empty(size, dtype=torch.int8)
+
+        triton.set_allocator(own)
+        tma.ensure_scratch_allocator()
+        assert _allocation._allocator.get() is own
+    finally:
+        triton.set_allocator(saved)

@@ -2,7 +2,7 @@
 
 D = alpha * A @ B (+ beta * C) for a symmetric result, batched over L, fp16/bf16 in, fp32
 accumulate, D in the input dtype. One persistent CTA per SM walks a triangular list of
-128 x 128 output tiles (lower triangle and diagonal, all batches). Each CTA has one producer
+128 x 128 output tiles (lower triangle and diagonal, all batches, in bands of GROUP tile rows). Each CTA has one producer
 warpgroup that streams A and B k-slices into a shared-memory ring with TMA (completion on
 mbarriers) and two consumer warpgroups that run wgmma on it (64 rows each). The epilogue
 converts the fp32 accumulators to the output dtype and stores the tile twice from registers:
@@ -24,10 +24,14 @@ from typing import Any
 import torch
 
 from dion3_titan.kernels.tma import num_sms
-from dion3_titan.kernels.triton_ops import TritonOps
+from dion3_titan.kernels.triton_ops import TritonOps, tile_order
 
 TILE = 128  # output tile side (square: the triangle of tiles needs square tiles)
 TILE_K = 64  # k-slice per pipeline stage
+# Tiles in bands of GROUP tile rows, column by column inside a band, so the CTAs running at
+# once share A and B panels in L2 (GROUP = 1 is row-major: every CTA of a wave reads its own
+# B panel).
+GROUP = 8
 STAGES = 5  # 5 x 32 KB of A/B slices in shared memory
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers
 
@@ -329,9 +333,10 @@ def _compiled(dtype_name: str, a_major: str, b_major: str, has_c: bool) -> Any:
 
 
 @functools.cache
-def _tile_table(side: int, device: torch.device) -> torch.Tensor:
-    """(2, T(T+1)/2) int32 rows/cols of the lower-triangle tiles, row-major (device ops only)."""
-    return torch.tril_indices(side, side, device=device).to(torch.int32).contiguous()
+def _tile_table(side: int, group: int, device: torch.device) -> torch.Tensor:
+    """(2, T(T+1)/2) int32 rows/cols of the lower-triangle tiles in the order the CTAs take
+    them: the Triton kernels' banded order (``triton_ops.tile_order``, one rule for both)."""
+    return tile_order(side, group, device).T.contiguous()
 
 
 def sym_gemm(
@@ -366,7 +371,7 @@ def sym_gemm(
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
     fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c)
     side = n // TILE
-    table = _tile_table(side, a.device)
+    table = _tile_table(side, GROUP, a.device)
     ctas = min(num_sms(a.device), L * table.shape[1])
     fn(
         _as_nkl(a),

@@ -17,7 +17,9 @@ BACKENDS: tuple[str, ...] = ("torch", "triton", "cute")
 PREFERENCES: tuple[str, ...] = ("auto",) + BACKENDS
 
 # Triton is the fastest backend or within a few percent of it on every measured Gram NS shape,
-# so "auto" never picks CuteDSL (it stays available as backend = "cute"). Below a Gram side of
+# and our CuteDSL symmetric kernel is 3-20% slower than Triton's on every measured product
+# (docs/benchmarks.md, "Wide symmetric tiles"), so "auto" never picks CuteDSL (it stays
+# available as backend = "cute"). Below a Gram side of
 # TRITON_MIN_N an eager Triton launch costs more host time than cuBLAS and torch wins. The
 # measurements behind both choices: docs/benchmarks.md, "Orthogonalization" and "Backend crossover".
 TRITON_MIN_N = 512

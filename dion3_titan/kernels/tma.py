@@ -1,12 +1,12 @@
 """What the persistent TMA kernels (triton_ops.py, triton_mm.py) share: how a batched operand
-is described to the copy engine, one k-step of their product, the grid size, and the one-time
-fallback when a Triton version cannot build a kernel."""
+is described to the copy engine (descriptors built on the device), one k-step of their product,
+the grid size, and the one-time fallback when a Triton version cannot build a kernel."""
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 import triton
@@ -71,18 +71,58 @@ def mma_step(
         return tl.dot(a, b, acc)
 
 
-def operand_descriptors(
-    sa: tuple[torch.Tensor, bool], sb: tuple[torch.Tensor, bool], block_m: int, block_n: int, block_k: int
-) -> tuple:
-    """The TMA descriptors ``mma_step`` reads A and B through, from their ``rows_stacked``
-    views: (a_desc, b_desc, A_T, B_T), with (block_m, block_k) tiles of A and (block_k, block_n)
-    tiles of B, held transposed where the view is the transpose."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+@triton.jit
+def stacked_desc(ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The TMA descriptor of a ``rows_stacked`` view (rows, cols) with unit last stride, built
+    on the device by the kernel itself: a host-built descriptor costs ~5-8 µs of host time per
+    operand and launch (Triton encodes it at every launch), one built here costs a 128-byte
+    scratch slot per program (``ensure_scratch_allocator``)."""
+    return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[cols, 1], block_shape=[BLOCK_R, BLOCK_C])
 
-    (a2, a_t), (b2, b_t) = sa, sb
-    a_desc = TensorDescriptor.from_tensor(a2, [block_k, block_m] if a_t else [block_m, block_k])
-    b_desc = TensorDescriptor.from_tensor(b2, [block_n, block_k] if b_t else [block_k, block_n])
-    return a_desc, b_desc, a_t, b_t
+
+@triton.jit
+def operand_descs(
+    a_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    L,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+):
+    """The descriptors ``mma_step`` reads (L, M, K) @ (L, K, N) through, from the base pointers
+    of the operands' ``rows_stacked`` views: (block_m, block_k) tiles of A and (block_k, block_n)
+    tiles of B, held transposed where ``A_T``/``B_T`` say the view is the transpose."""
+    if A_T:
+        a_desc = stacked_desc(a_ptr, L * K, M, BLOCK_K, BLOCK_M)
+    else:
+        a_desc = stacked_desc(a_ptr, L * M, K, BLOCK_M, BLOCK_K)
+    if B_T:
+        b_desc = stacked_desc(b_ptr, L * N, K, BLOCK_N, BLOCK_K)
+    else:
+        b_desc = stacked_desc(b_ptr, L * K, N, BLOCK_K, BLOCK_N)
+    return a_desc, b_desc
+
+
+def torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's launch-time scratch from torch's caching allocator on the current device and
+    stream (its blocks are 512-byte aligned, more than a descriptor's 128): stream-ordered, so
+    a CUDA graph captures it like any other allocation."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give Triton an allocator for the kernels' device-side descriptors unless the program has
+    set its own (Triton has none by default and refuses such a launch)."""
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get()
+    if current is None or isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(torch_scratch)
 
 
 def aligned(*tensors: torch.Tensor | None) -> bool:
@@ -90,11 +130,12 @@ def aligned(*tensors: torch.Tensor | None) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
 
 
-_BROKEN: dict[str, str] = {}  # kernel name -> why this Triton could not build or run it
+_BROKEN: dict[Hashable, str] = {}  # kernel variant -> why this Triton could not build or run it
 
 
-def launch_or_none(name: str, launch: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
-    """``launch()``, or None once it has failed (a Triton that cannot build kernel ``name``):
+def launch_or_none(name: Hashable, launch: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    """``launch()``, or None once it has failed (a Triton that cannot build kernel variant
+    ``name``, any hashable that names it: built per call, so cheap to hash):
     the caller then computes the same with its general path. Warns once per kernel; inside a
     CUDA-graph capture the error is raised, since a failed capture cannot fall back."""
     if name in _BROKEN:

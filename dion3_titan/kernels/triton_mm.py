@@ -23,7 +23,15 @@ import triton.language as tl
 from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.launch import cdiv, launch
 from dion3_titan.kernels.rounding import round_to
-from dion3_titan.kernels.tma import aligned, mma_step, num_sms, operand_descriptors, rows_stacked
+from dion3_titan.kernels.tma import (
+    aligned,
+    ensure_scratch_allocator,
+    mma_step,
+    num_sms,
+    operand_descs,
+    rows_stacked,
+    stacked_desc,
+)
 
 
 class Config(NamedTuple):
@@ -76,10 +84,10 @@ def _band_tile(t, tiles_m, tiles_n, GROUP: tl.constexpr):
 
 @triton.jit
 def _mm_tma_kernel(
-    a_desc,
-    b_desc,
+    a_ptr,
+    b_ptr,
     c_ptr,
-    out_desc,
+    out_ptr,
     M,
     N,
     K,
@@ -103,6 +111,11 @@ def _mm_tma_kernel(
 ):
     """``A_T``/``B_T``: that operand's unit stride is its row dim and its descriptor holds the
     transpose. ``SPLIT``/``WS``: see ``Config``."""
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, L, BLOCK_M, BLOCK_N, BLOCK_K, A_T, B_T)
+    if SPLIT:
+        out_desc = stacked_desc(out_ptr, L * M, N, BLOCK_M, BLOCK_N // 2)
+    else:
+        out_desc = stacked_desc(out_ptr, L * M, N, BLOCK_M, BLOCK_N)
     tiles_m = M // BLOCK_M
     tiles_n = N // BLOCK_N
     per_matrix = tiles_m * tiles_n
@@ -157,8 +170,6 @@ def mm_tma(
     (L, M, N) tensor (or ``out``); None when the operands do not fit the kernel (a dimension
     off its block, A or B without a unit stride, mixed dtypes, misaligned storage; C may have any
     strides, each matrix under 2^31 elements)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     cfg = Config(*(config or DEFAULT_CONFIG))
     block_m, block_n, block_k = cfg.block_m, cfg.block_n, cfg.block_k
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
@@ -183,18 +194,17 @@ def mm_tma(
         return None
     if out is None:
         out = torch.empty((L, M, N), dtype=a.dtype, device=a.device)
-    a_desc, b_desc, a_t, b_t = operand_descriptors(sa, sb, block_m, block_n, block_k)
-    out_desc = TensorDescriptor.from_tensor(out.view(L * M, N), [block_m, block_n // 2 if cfg.split else block_n])
+    ensure_scratch_allocator()
     c_arg, c_strides = (c, c.stride()) if has_c else (out, (0, 0, 0))  # C is never read without has_c
     sms = num_sms(a.device)
     grid = (min(sms, L * (M // block_m) * (N // block_n)),)
     launch(
         _mm_tma_kernel,
         grid,
-        a_desc,
-        b_desc,
+        sa[0],
+        sb[0],
         c_arg,
-        out_desc,
+        out,
         M,
         N,
         K,
@@ -202,8 +212,8 @@ def mm_tma(
         *c_strides,
         float(alpha),
         float(beta),
-        A_T=a_t,
-        B_T=b_t,
+        A_T=sa[1],
+        B_T=sb[1],
         HAS_C=has_c,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

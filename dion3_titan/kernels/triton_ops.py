@@ -20,6 +20,8 @@ them to its persistent GEMM.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +31,16 @@ from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.launch import cdiv, launch, next_power_of_2
 from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.row_engine import row_slots, update_rows
-from dion3_titan.kernels.tma import aligned, launch_or_none, mma_step, num_sms, operand_descriptors, rows_stacked
+from dion3_titan.kernels.tma import (
+    aligned,
+    ensure_scratch_allocator,
+    launch_or_none,
+    mma_step,
+    num_sms,
+    operand_descs,
+    rows_stacked,
+    stacked_desc,
+)
 from dion3_titan.kernels.torch_ops import TorchOps
 
 # One tile shape for all sizes; chosen from measured configs (docs/kernels.md).
@@ -154,11 +165,86 @@ def _sym_gemm_kernel(
 
 
 @triton.jit
-def _sym_gemm_tma_kernel(
-    a_desc,
-    b_desc,
+def _isqrt(t):
+    """floor(sqrt(t)) of a non-negative int32 (float sqrt, then fixed up exactly)."""
+    s = tl.sqrt(t.to(tl.float32)).to(tl.int32)
+    s = tl.where((s + 1) * (s + 1) <= t, s + 1, s)
+    return tl.where(s * s > t, s - 1, s)
+
+
+@triton.jit
+def _pairs_before(r):
+    """Wide tiles in tile rows 0..r-1: row i holds i // 2 + 1 of them (pair columns 0..i // 2)."""
+    q = r // 2
+    return tl.where(r % 2 == 0, q * (q + 1), (q + 1) * (q + 1))
+
+
+@triton.jit
+def _pairs_row(t):
+    """The tile row of row-major wide tile t: the largest r with _pairs_before(r) <= t. Rows
+    2q - 1 and 2q start at q^2 and q(q + 1), so it follows from s = isqrt(t)."""
+    s = _isqrt(t)
+    return tl.where(t < s * (s + 1), 2 * s - 1, 2 * s)
+
+
+@triton.jit
+def _wide_lower_tile(t, num_tiles_side, GROUP: tl.constexpr):
+    """Linear index t -> (tile row i, pair column p) of a wide tile: BLOCK rows by 2 * BLOCK
+    columns, the tile blocks (i, 2p) and (i, 2p + 1), for p <= i // 2. Block (i, 2p + 1) lies
+    above the diagonal when i is even (2p = i); it is computed and dropped (T / 2 of the
+    T(T + 1) / 2 blocks). Bands of GROUP (even) tile rows as in ``_lower_tile``: the band's
+    rectangle column by column, then its triangle row by row."""
+    band_start = (_pairs_row(t) // GROUP) * GROUP
+    band_rows = tl.minimum(num_tiles_side - band_start, GROUP)
+    local = t - _pairs_before(band_start)
+    half = band_start // 2  # pair columns left of the band's diagonal blocks
+    rect = band_rows * half
+    u = tl.maximum(local - rect, 0)
+    r_tri = _pairs_row(u)
+    in_rect = local < rect
+    i = tl.where(in_rect, band_start + local % band_rows, band_start + r_tri)
+    p = tl.where(in_rect, local // band_rows, half + u - _pairs_before(r_tri))
+    return i, p
+
+
+@triton.jit
+def _store_sym_block(
+    acc,
     c_desc,
     out_desc,
+    batch,
+    n,
+    ti,
+    tj,
+    alpha,
+    beta,
+    HAS_C: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Lower block (ti, tj), tj <= ti, of the result: alpha * acc + beta * C (torch.baddbmm's
+    order, in float32), rounded, stored at (ti, tj) and transposed at (tj, ti); a diagonal block
+    takes the transpose of its lower triangle as its upper one (see _sym_gemm_kernel)."""
+    row, col = batch * n + ti * BLOCK, tj * BLOCK
+    if HAS_C:
+        acc = alpha * acc + beta * c_desc.load([row, col]).to(tl.float32)
+    else:
+        acc = alpha * acc
+    res = round_to(acc, out_desc.dtype, INTERPRET)
+    if ti == tj:
+        r = tl.arange(0, BLOCK)
+        res = tl.where(r[:, None] >= r[None, :], res, tl.trans(res))
+    out_desc.store([row, col], res)
+    if ti != tj:
+        out_desc.store([batch * n + tj * BLOCK, ti * BLOCK], tl.trans(res))
+
+
+@triton.jit
+def _sym_gemm_tma_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    out_ptr,
     n,
     k,
     L,
@@ -171,51 +257,80 @@ def _sym_gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     WS: tl.constexpr,
+    WIDE: tl.constexpr,
     NUM_SMS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent form of ``_sym_gemm_kernel`` for n % BLOCK == 0 and k % BLOCK_K == 0: one
     program per SM walks the lower tiles of every matrix; operands come in by TMA from 2D views
-    that stack the batch along rows, so a tile never straddles two matrices. ``A_T``/``B_T``:
+    that stack the batch along rows (descriptors built here, tma.stacked_desc), so a tile never
+    straddles two matrices. ``A_T``/``B_T``:
     the operand's unit stride is its row dim, and the descriptor holds its transpose. ``WS``:
-    Triton's automatic warp specialization of the tile loop (see triton_mm.Config)."""
+    Triton's automatic warp specialization of the tile loop (see triton_mm.Config). ``WIDE``:
+    each product tile is BLOCK x 2 BLOCK (``_wide_lower_tile``), the tile shape at which a
+    Hopper warpgroup's MMA reads the least shared memory per FLOP; its two blocks are finished
+    and stored one after the other."""
     side = n // BLOCK
-    per_matrix = side * (side + 1) // 2
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, n, n, k, L, BLOCK, 2 * BLOCK if WIDE else BLOCK, BLOCK_K, A_T, B_T)
+    out_desc = stacked_desc(out_ptr, L * n, n, BLOCK, BLOCK)
+    if HAS_C:
+        c_desc = stacked_desc(c_ptr, L * n, n, BLOCK, BLOCK)
+    else:
+        c_desc = out_desc
+    if WIDE:
+        per_matrix = _pairs_before(side)
+    else:
+        per_matrix = side * (side + 1) // 2
     k_tiles = k // BLOCK_K
     for tile in tl.range(tl.program_id(0), L * per_matrix, NUM_SMS, warp_specialize=WS):
         batch = tile // per_matrix
-        ti, tj = _lower_tile(tile % per_matrix, side, GROUP)
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        for kk in range(k_tiles):
-            acc = mma_step(acc, a_desc, b_desc, batch, ti, tj, kk, n, n, k, BLOCK, BLOCK, BLOCK_K, A_T, B_T, INTERPRET)
-        if HAS_C:
-            c = c_desc.load([batch * n + ti * BLOCK, tj * BLOCK]).to(tl.float32)
-            acc = alpha * acc + beta * c
+        if WIDE:
+            ti, tp = _wide_lower_tile(tile % per_matrix, side, GROUP)
+            acc = tl.zeros((BLOCK, 2 * BLOCK), dtype=tl.float32)
+            for kk in range(k_tiles):
+                acc = mma_step(
+                    acc, a_desc, b_desc, batch, ti, tp, kk, n, n, k, BLOCK, 2 * BLOCK, BLOCK_K, A_T, B_T, INTERPRET
+                )
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK, 2, BLOCK)), (0, 2, 1)))
+            _store_sym_block(left, c_desc, out_desc, batch, n, ti, 2 * tp, alpha, beta, HAS_C, BLOCK, INTERPRET)
+            if 2 * tp + 1 <= ti:
+                _store_sym_block(
+                    right, c_desc, out_desc, batch, n, ti, 2 * tp + 1, alpha, beta, HAS_C, BLOCK, INTERPRET
+                )
         else:
-            acc = alpha * acc
-        res = round_to(acc, out_desc.dtype, INTERPRET)
-        if ti == tj:  # see _sym_gemm_kernel
-            r = tl.arange(0, BLOCK)
-            res = tl.where(r[:, None] >= r[None, :], res, tl.trans(res))
-        out_desc.store([batch * n + ti * BLOCK, tj * BLOCK], res)
-        if ti != tj:
-            out_desc.store([batch * n + tj * BLOCK, ti * BLOCK], tl.trans(res))
+            ti, tj = _lower_tile(tile % per_matrix, side, GROUP)
+            acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+            for kk in range(k_tiles):
+                acc = mma_step(
+                    acc, a_desc, b_desc, batch, ti, tj, kk, n, n, k, BLOCK, BLOCK, BLOCK_K, A_T, B_T, INTERPRET
+                )
+            _store_sym_block(acc, c_desc, out_desc, batch, n, ti, tj, alpha, beta, HAS_C, BLOCK, INTERPRET)
 
 
 @triton.jit
-def _tile_order_kernel(out_ptr, count, side, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _tile_order_kernel(out_ptr, count, side, GROUP: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.arange(0, BLOCK)
-    i, j = _lower_tile(t, side, GROUP)
+    if WIDE:
+        i, j = _wide_lower_tile(t, side, GROUP)
+    else:
+        i, j = _lower_tile(t, side, GROUP)
     tl.store(out_ptr + 2 * t, i, mask=t < count)
     tl.store(out_ptr + 2 * t + 1, j, mask=t < count)
 
 
-def tile_order(side: int, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(T(T+1)/2, 2) int32: the (row, col) tile each program of the symmetric GEMM computes, in
-    launch order, for ``side`` = T tiles per side (for tests and for reading the schedule)."""
-    count = side * (side + 1) // 2
+def wide_tiles(side: int) -> int:
+    """Wide tiles (BLOCK x 2 BLOCK) per matrix of ``side`` tile rows: row i holds i // 2 + 1."""
+    q = side // 2
+    return q * (q + 1) if side % 2 == 0 else (q + 1) ** 2
+
+
+def tile_order(side: int, group: int, device: torch.device | str = "cpu", wide: bool = False) -> torch.Tensor:
+    """(count, 2) int32: the (row, col) tile each program of the symmetric GEMM computes, in
+    launch order, for ``side`` = T tiles per side (for tests and for reading the schedule):
+    T(T+1)/2 square tiles, or with ``wide`` the (row, pair column) of ``wide_tiles(T)`` wide ones."""
+    count = wide_tiles(side) if wide else side * (side + 1) // 2
     out = torch.full((count, 2), -1, dtype=torch.int32, device=device)
-    _tile_order_kernel[(1,)](out, count, side, GROUP=group, BLOCK=next_power_of_2(count))
+    _tile_order_kernel[(1,)](out, count, side, GROUP=group, WIDE=wide, BLOCK=next_power_of_2(count))
     return out
 
 
@@ -251,7 +366,10 @@ def sym_gemm(
     """
     L, n, k = _check_sym_operands(a, b)
     if config is None and TMA_CONFIG is not None and a.is_cuda and tma_pays(L, n, k, num_sms(a.device)):
-        done = launch_or_none("sym_gemm_tma", lambda: sym_gemm_tma(a, b, c, alpha, beta, out=out))
+        # one fallback record per compiled variant: a config may fit shared memory without C only
+        cfg = tma_config(n)
+        key = ("sym_gemm_tma", cfg, c is not None and beta != 0.0)
+        done = launch_or_none(key, lambda: sym_gemm_tma(a, b, c, alpha, beta, config=cfg, out=out))
         if done is not None:
             return done
     if not _offsets_fit(n, k):
@@ -301,20 +419,42 @@ def sym_gemm(
     return out
 
 
-# Persistent TMA form: SYM_CONFIG's fields, then an optional warp-specialization flag (the
-# fastest config tried); None turns it off.
-TMA_CONFIG: tuple | None = (128, 64, 8, 8, 4)
-# The persistent kernel pays off once every SM has enough work to walk, counted in k-steps of
-# its tiles (tiles x k / BLOCK_K per SM): at the same 576 tiles it wins at k = 4096 and loses
-# at k = 1024. Below the threshold the per-tile kernel is faster. Measurements of both
-# (docs/benchmarks.md, "Symmetric GEMM dispatch"): per-tile wins at 70 and 132 k-steps per SM,
-# persistent at 140 (by 10%) and from 279 on; 200 keeps a margin from the loss at 132.
+class TmaConfig(NamedTuple):
+    """A config of the persistent symmetric kernel: SYM_CONFIG's fields, then ``ws`` (Triton's
+    warp specialization of the tile loop) and ``wide`` (BLOCK x 2 BLOCK product tiles, which
+    needs an even GROUP)."""
+
+    block: int
+    block_k: int
+    group: int
+    num_warps: int
+    num_stages: int
+    ws: bool = False
+    wide: bool = False
+
+
+# What sym_gemm runs the persistent kernel with (measured: docs/benchmarks.md, "Wide symmetric
+# tiles"); TMA_CONFIG None turns the kernel off. Wide tiles from TMA_WIDE_MIN_N rows: measured
+# 1.5-5% faster at n = 2816 and 8192, 3-4% slower at 2048 and 9% at 1024, where the dropped
+# block above each even row's diagonal (1 / (T + 1) of the work) and fewer tiles per SM weigh more.
+TMA_CONFIG: TmaConfig | None = TmaConfig(128, 64, 8, 8, 4)
+TMA_WIDE_CONFIG: TmaConfig | None = TmaConfig(128, 64, 8, 8, 3, wide=True)
+TMA_WIDE_MIN_N = 2816
+
+
+def tma_config(n: int) -> TmaConfig:
+    """The persistent kernel's config for a result of n x n (TMA_CONFIG must be set)."""
+    if TMA_WIDE_CONFIG is not None and n >= TMA_WIDE_MIN_N:
+        return TMA_WIDE_CONFIG
+    return TMA_CONFIG
+
+
 TMA_MIN_KSTEPS_PER_SM = 200
 
 
 def tma_pays(L: int, n: int, k: int, sms: int) -> bool:
     """Whether ``sym_gemm`` takes the persistent kernel for L products (n x k) @ (k x n)."""
-    block, block_k = TMA_CONFIG[0], TMA_CONFIG[1]
+    block, block_k = TMA_CONFIG.block, TMA_CONFIG.block_k
     side = cdiv(n, block)
     return L * side * (side + 1) // 2 * cdiv(k, block_k) >= TMA_MIN_KSTEPS_PER_SM * sms
 
@@ -325,16 +465,18 @@ def sym_gemm_tma(
     c: torch.Tensor | None = None,
     alpha: float = 1.0,
     beta: float = 0.0,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``sym_gemm`` through the persistent TMA kernel, or None when the operands do not fit it
     (n % BLOCK, k % BLOCK_K, an operand without a unit-stride dim, a non-contiguous C or out,
-    misaligned storage): the caller then uses the general kernel."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    misaligned storage): the caller then uses the general kernel. ``config``: a ``TmaConfig``
+    (or a tuple of its fields) in place of TMA_CONFIG."""
     L, n, k = _check_sym_operands(a, b)
-    block, block_k, group, num_warps, num_stages, *flags = config or TMA_CONFIG
+    cfg = TmaConfig(*(config or TMA_CONFIG))
+    block, block_k = cfg.block, cfg.block_k
+    if cfg.wide and cfg.group % 2:
+        raise ValueError(f"sym_gemm_tma: a wide config needs an even GROUP; got config={tuple(cfg)}")
     has_c = c is not None and beta != 0.0
     sa, sb = rows_stacked(a), rows_stacked(b)
     if (
@@ -352,35 +494,35 @@ def sym_gemm_tma(
         return None
     if out is None:
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
-    a_desc, b_desc, a_t, b_t = operand_descriptors(sa, sb, block, block, block_k)
-    out_desc = TensorDescriptor.from_tensor(out.view(L * n, n), [block, block])
-    c_desc = TensorDescriptor.from_tensor(c.view(L * n, n), [block, block]) if has_c else out_desc
+    ensure_scratch_allocator()
     sms = num_sms(a.device)
     side = n // block
-    grid = (min(sms, L * side * (side + 1) // 2),)
+    tiles = wide_tiles(side) if cfg.wide else side * (side + 1) // 2
+    grid = (min(sms, L * tiles),)
     launch(
         _sym_gemm_tma_kernel,
         grid,
-        a_desc,
-        b_desc,
-        c_desc,
-        out_desc,
+        sa[0],
+        sb[0],
+        c if has_c else out,
+        out,
         n,
         k,
         L,
         float(alpha),
         float(beta),
-        A_T=a_t,
-        B_T=b_t,
+        A_T=sa[1],
+        B_T=sb[1],
         HAS_C=has_c,
         BLOCK=block,
         BLOCK_K=block_k,
-        GROUP=group,
-        WS=bool(flags and flags[0]),
+        GROUP=cfg.group,
+        WS=cfg.ws,
+        WIDE=cfg.wide,
         NUM_SMS=sms,
         INTERPRET=interpreting(),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -411,7 +553,7 @@ class TritonOps(TorchOps):
     def gram_side(self, n: int) -> int:
         # whole tiles: the persistent TMA kernel takes only sides that are a multiple of its
         # block (docs/benchmarks.md, "Padding the Gram side")
-        block = TMA_CONFIG[0] if TMA_CONFIG is not None else 1
+        block = TMA_CONFIG.block if TMA_CONFIG is not None else 1
         return n if n <= block else cdiv(n, block) * block
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

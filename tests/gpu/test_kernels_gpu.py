@@ -71,14 +71,19 @@ def test_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layo
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", [(128, 64, 8, 8, 4, True), (128, 128, 8, 8, 2), (128, 64, 8, 4, 4)], ids=str)
+@pytest.mark.parametrize(
+    "config",
+    [(128, 64, 8, 8, 4, True), (128, 128, 8, 8, 2), (128, 64, 8, 4, 4), (128, 64, 8, 8, 3, False, True)],
+    ids=str,
+)
 def test_sym_gemm_tma_configs(dtype: torch.dtype, config: tuple, seed: int) -> None:
-    """The persistent kernel in other configs (warp-specialized; BLOCK_K = 128; 4 warps): the float64
-    result to the dtype's accuracy, exactly symmetric, every element of a poisoned output
-    written, for both operand layouts and with C."""
+    """The persistent kernel in other configs (warp-specialized; BLOCK_K = 128; 4 warps; wide
+    tiles, on an odd number of tile rows too): the float64 result to the dtype's accuracy,
+    exactly symmetric, every element of a poisoned output written, for both operand layouts and
+    with C."""
     from dion3_titan.kernels import triton_ops
 
-    for L, n, k in [(3, 256, 512), (2, 1024, 768)]:
+    for L, n, k in [(3, 256, 512), (2, 1024, 768), (2, 384, 256)]:
         x = torch.randn(L, n, k, device="cuda").to(dtype)
         c = _symmetric(L, n, dtype)
         for a, b in [(x, x.mT), (x.mT.contiguous().mT, x.mT.contiguous())]:
@@ -234,3 +239,47 @@ def test_auto_picks_triton_for_gram_ns_in_the_optimizer(shape, seed: int, monkey
         moved[backend] = (w.detach() - w0).double()
     assert chosen and set(chosen) == {"triton"}, chosen
     assert _rel_err(moved["auto"], moved["torch"]) < 1e-2
+
+
+def test_persistent_kernels_replay_from_a_cuda_graph(seed: int) -> None:
+    """The persistent kernels build their TMA descriptors on the device in scratch memory that
+    Triton allocates at launch: captured in a CUDA graph (square and wide tiles, with C, and the
+    TMA GEMM), each replay on fresh inputs matches float64, with eager work allocating and
+    freeing memory between the replays."""
+    from dion3_titan.kernels import triton_mm, triton_ops
+
+    L, n, k = 2, 384, 256
+    x = torch.randn(L, n, k, device="cuda").half()
+    r = _symmetric(L, n, torch.float16) / n**0.5
+    outs = [torch.empty(L, n, n, device="cuda", dtype=torch.float16) for _ in range(4)]
+
+    def run() -> None:
+        assert triton_ops.sym_gemm_tma(x, x.mT, config=(128, 64, 8, 8, 4), out=outs[0]) is outs[0]
+        assert triton_ops.sym_gemm_tma(x, x.mT, config=(128, 64, 8, 8, 3, False, True), out=outs[1]) is outs[1]
+        assert (
+            triton_ops.sym_gemm_tma(r, r, r, 0.5, 1.5, config=(128, 64, 8, 8, 3, False, True), out=outs[2]) is outs[2]
+        )
+        cfg = triton_mm.Config(128, 128, 64, 8, 8, 3)
+        assert triton_mm.mm_tma(r, r, r, 1.0, 1.875, config=cfg, out=outs[3]) is outs[3]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compiles: not capturable
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        r.copy_(_symmetric(L, n, torch.float16) / n**0.5)
+        junk = [torch.full((1 << 16,), 7, device="cuda", dtype=torch.int8) for _ in range(8)]
+        del junk
+        graph.replay()
+        torch.cuda.synchronize()
+        xd, rd = x.double(), r.double()
+        refs = [xd @ xd.mT, xd @ xd.mT, 0.5 * (rd @ rd) + 1.5 * rd, rd @ rd + 1.875 * rd]
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            err = _rel_err(out, ref)
+            assert err < 2e-3, f"output {i}: relative error {err} (seed {seed})"
+        assert all(torch.equal(o, o.mT) for o in outs[:3])
