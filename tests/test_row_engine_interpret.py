@@ -126,7 +126,7 @@ def _checks(seed: int) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         for B, R, C, k in [(3, 37, 300, 5), (1, 9, 40, 0), (2, 64, 64, 17)]:
             for layout in ("rowmajor", "transposed", "piece"):
-                for mode in ("plain", "valid", "every", "normuon", "skip", "void"):
+                for mode in ("plain", "valid", "every", "normuon", "skip", "void", "no_decay", "no_decay_skip"):
                     every = mode == "every"
                     kk = R if every else k
                     w = _views(dtype, B, R, C)[layout]
@@ -139,6 +139,11 @@ def _checks(seed: int) -> list[dict]:
                     valid = torch.rand(B, kk) > 0.4 if mode == "valid" else None
                     upd = torch.randn(B, kk, C + 3).half()[..., :C]  # a padded result, sliced
                     lr, decay, mu = torch.tensor(0.0173), torch.tensor(0.98), 0.95
+                    # without weight decay the kernel leaves unselected rows unread: as decay 1
+                    no_decay = mode.startswith("no_decay")
+                    if no_decay:
+                        decay = torch.tensor(1.0)
+                    skip = mode.endswith("skip")
                     den = scale = None
                     applied = upd.float()
                     if mode == "normuon":
@@ -152,14 +157,16 @@ def _checks(seed: int) -> list[dict]:
                         upd = torch.where(void[:, None, None], float("nan"), upd)
                         applied = torch.where(void[:, None, None], 0.0, upd.float())
                     w_ref, m_ref = w.clone(), mom.clone()
-                    if mode != "skip":
+                    if not skip:
                         _fused_update_reference(w_ref, applied, rows, lr, decay)
                         factor = mu if valid is None else torch.where(valid, mu, 1.0).unsqueeze(-1)
                         idx = rows.unsqueeze(-1).expand(-1, -1, C)
                         m_ref.scatter_(1, idx, m_ref.gather(1, idx).mul_(factor))
-                    ok = torch.tensor(mode != "skip")
+                    ok = torch.tensor(not skip)
                     slot = None if every else engine.slots(rows, valid, R)
-                    rk.update_rows(w, mom, upd, slot, lr, decay, mu, den, scale, ok if mode == "skip" else None, void)
+                    rk.update_rows(
+                        w, mom, upd, slot, lr, None if no_decay else decay, mu, den, scale, ok if skip else None, void
+                    )
                     out.append(
                         {
                             "check": "update",
@@ -399,61 +406,62 @@ def _launch_checks() -> list[dict]:
 
 def _step_checks() -> list[dict]:
     """Whole Dion3 steps with the engine on against the same steps with it off (same NS): muon/normuon, f = 1/4 and 1, a 3D stack, column selection, a parameter without
-    a gradient."""
+    a gradient; and one case without weight decay (the engine then leaves unselected rows
+    unread)."""
+    import itertools
+
     import torch
 
     from dion3_titan import Dion3
     from dion3_titan.optim import engine
 
     out = []
-    for flavor in ("muon", "normuon"):
-        for fraction in (0.25, 1.0):
-            for selection_dim in ("rows", "cols"):
-                finals, used = [], []
-                for fused in (True, False):
-                    torch.manual_seed(5)
-                    params = [
-                        torch.nn.Parameter(torch.randn(48, 80) * 0.02),
-                        torch.nn.Parameter(torch.randn(2, 40, 24) * 0.02),
-                        torch.nn.Parameter(torch.randn(48, 80) * 0.02),
-                    ]
-                    # NS on torch in both runs (the interpreter's GEMMs are slow); the engine on or off
-                    start = [p.detach().clone() for p in params]
-                    opt = Dion3(
-                        [{"params": params}],
-                        lr=0.02,
-                        fraction=fraction,
-                        flavor=flavor,
-                        weight_decay=0.1,
-                        backend="torch",
-                        selection_dim=selection_dim,
-                    )
-                    runs_on, update = engine.runs_on, engine.update
-                    engine.runs_on = lambda backend, p, on=fused: on
-                    calls = []
-                    engine.update = lambda *a, **kw: (calls.append(1), update(*a, **kw))
-                    try:
-                        for step in range(3):
-                            for j, p in enumerate(params):
-                                p.grad = None if (j == 2 and step == 1) else torch.randn_like(p)
-                            opt.step()
-                    finally:
-                        engine.runs_on, engine.update = runs_on, update
-                    used.append(bool(calls) == fused)
-                    # what the steps changed (the weights themselves would hide a wrong update)
-                    finals.append(
-                        [p.detach() - p0 for p, p0 in zip(params, start)]
-                        + [opt.state[p]["momentum"].clone() for p in params]
-                    )
-                err = max(((a - b).norm() / b.norm()).item() for a, b in zip(*finals))
-                out.append(
-                    {
-                        "check": "step",
-                        "case": f"{flavor},f={fraction},{selection_dim}",
-                        "err": err,
-                        "engine_used": all(used),
-                    }
-                )
+    cases = [(*c, 0.1) for c in itertools.product(("muon", "normuon"), (0.25, 1.0), ("rows", "cols"))]
+    for flavor, fraction, selection_dim, weight_decay in cases + [("normuon", 0.25, "rows", 0.0)]:
+        finals, used = [], []
+        for fused in (True, False):
+            torch.manual_seed(5)
+            params = [
+                torch.nn.Parameter(torch.randn(48, 80) * 0.02),
+                torch.nn.Parameter(torch.randn(2, 40, 24) * 0.02),
+                torch.nn.Parameter(torch.randn(48, 80) * 0.02),
+            ]
+            # NS on torch in both runs (the interpreter's GEMMs are slow); the engine on or off
+            start = [p.detach().clone() for p in params]
+            opt = Dion3(
+                [{"params": params}],
+                lr=0.02,
+                fraction=fraction,
+                flavor=flavor,
+                weight_decay=weight_decay,
+                backend="torch",
+                selection_dim=selection_dim,
+            )
+            runs_on, update = engine.runs_on, engine.update
+            engine.runs_on = lambda backend, p, on=fused: on
+            calls = []
+            engine.update = lambda *a, **kw: (calls.append(1), update(*a, **kw))
+            try:
+                for step in range(3):
+                    for j, p in enumerate(params):
+                        p.grad = None if (j == 2 and step == 1) else torch.randn_like(p)
+                    opt.step()
+            finally:
+                engine.runs_on, engine.update = runs_on, update
+            used.append(bool(calls) == fused)
+            # what the steps changed (the weights themselves would hide a wrong update)
+            finals.append(
+                [p.detach() - p0 for p, p0 in zip(params, start)] + [opt.state[p]["momentum"].clone() for p in params]
+            )
+        err = max(((a - b).norm() / b.norm()).item() for a, b in zip(*finals))
+        out.append(
+            {
+                "check": "step",
+                "case": f"{flavor},f={fraction},{selection_dim},wd={weight_decay}",
+                "err": err,
+                "engine_used": all(used),
+            }
+        )
     return out
 
 

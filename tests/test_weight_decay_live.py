@@ -81,3 +81,12 @@ def test_graph_signature_and_live_values():
     assert graphed.signature() != signature
     opt.load_hyperparameters()
     assert torch.allclose(opt._hyper_all[1], torch.tensor([0.05, 0.0]))
+
+    # matrices without weight decay: the update leaves unselected rows unread, so turning it
+    # on or off re-captures (its size stays live)
+    signature = graphed.signature()
+    opt.param_groups[0]["weight_decay"] = 0.0
+    off = graphed.signature()
+    assert off != signature
+    opt.param_groups[0]["weight_decay"] = 0.5
+    assert graphed.signature() == signature

@@ -11,7 +11,8 @@ covers all members and the launch count of a step does not grow with the number 
 * ``gather_rows``: the selected rows of M straight into the zero-padded Newton-Schulz batch or
   send buffer, divided by a per-matrix denominator (the normalization) and cast once; also
   NorMuon's per-row second moment of the selected rows.
-* ``update_rows``: W <- decay * W on every row, W[sel] -= lr * lr_scale * U with one rounding,
+* ``update_rows``: W <- decay * W on every row (without weight decay, the selected rows alone
+  are read and written), W[sel] -= lr * lr_scale * U with one rounding,
   M[sel] *= mu (error feedback), the NorMuon epilogue U = (O / d_row) * s_matrix, and the new
   second moment of the selected rows, in one pass.
 
@@ -579,6 +580,7 @@ def _update_rows_kernel(
     HAS_OK: tl.constexpr,
     HAS_VOID: tl.constexpr,
     DECAY_M: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
     HAS_LR_SCALE: tl.constexpr,
     HAS_V: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -605,14 +607,18 @@ def _update_rows_kernel(
     lr = tl.load(lr_ptr)
     if HAS_LR_SCALE:  # the member's learning-rate multiplier, as the reference's lr * scale
         lr = lr * tl.load(lr_scale_ptr + n)
-    decay = tl.load(decay_ptr)
-    if HAS_OK:
-        decay = tl.where(tl.load(ok_ptr).to(tl.int32) != 0, decay, 1.0)
-
     w_ptrs = w_ptr + w_off + rows64 * w_sr + cols64 * w_sc
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    # The reference's roundings, (w * decay) - (lr * u); the launch disables FMA contraction.
-    new = w * decay
+    if HAS_DECAY:
+        decay = tl.load(decay_ptr)
+        if HAS_OK:
+            decay = tl.where(tl.load(ok_ptr).to(tl.int32) != 0, decay, 1.0)
+        w_mask = mask
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        # The reference's roundings, (w * decay) - (lr * u); the launch disables FMA contraction.
+        new = w * decay
+    else:  # no weight decay: the rows that are not selected are neither read nor written
+        w_mask = sel_mask
+        new = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
     # Most tiles hold no selected row (f < 1): they only decay, with no update arithmetic.
     if tl.max(selected.to(tl.int32), axis=0) > 0:
         u = tl.load(u_ptr + n * s_ub + slot64[:, None] * s_uk + cols64 * s_uc, mask=sel_mask, other=0.0)
@@ -633,7 +639,7 @@ def _update_rows_kernel(
             v_off, v_sr, _, _ = _view(v_tab, n, 1, 1)  # (B, R, 1) views: the column is 0
             v = tl.load(v_new_ptr + n * s_nb + slot64 * s_nk, mask=v_sel, other=0.0)
             tl.store(v_ptr + v_off + rows.to(tl.int64) * v_sr, v.to(v_ptr.dtype.element_ty), mask=v_sel)
-    tl.store(w_ptrs, round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(w_ptrs, round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=w_mask)
 
 
 def row_slots(rows: torch.Tensor, num_rows: int, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -664,7 +670,7 @@ def update_rows_group(
     update: torch.Tensor,
     slot: torch.Tensor | None,
     lr: torch.Tensor,
-    decay: torch.Tensor,
+    decay: torch.Tensor | None,
     mu: float,
     lr_scales: Sequence[float] | None = None,
     row_denominator: torch.Tensor | None = None,
@@ -682,7 +688,8 @@ def update_rows_group(
     set to its new values. U = update (N, k, C+) in float32, or with ``row_denominator``
     (N, k) and ``matrix_scale`` (N,) the NorMuon form (update / denominator) * scale. ``lr``,
     ``decay`` and ``ok`` (nonzero: apply) are 0-dim device tensors, read live under graph
-    replay. ``void`` (N,) bool: matrices whose U counts as zero (decay and error feedback still
+    replay; ``decay`` None: no weight decay, and the rows that are not selected are left
+    untouched (neither read nor written: (1 - f) of the weights' traffic). ``void`` (N,) bool: matrices whose U counts as zero (decay and error feedback still
     run). Views whose ``active`` entry is False are left as they are. One launch."""
     N, (R, C) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
     if momenta is not None and [m.shape for m in momenta] != [w.shape for w in weights]:
@@ -726,7 +733,7 @@ def update_rows_group(
         v_new,
         lr,
         scales if scales is not None else lr,
-        decay,
+        decay if decay is not None else lr,
         row_denominator if normuon else lr,
         matrix_scale if normuon else lr,
         _flag(ok) if ok is not None else lr,
@@ -747,6 +754,7 @@ def update_rows_group(
         HAS_OK=ok is not None,
         HAS_VOID=void is not None,
         DECAY_M=momenta is not None,
+        HAS_DECAY=decay is not None,
         HAS_LR_SCALE=scales is not None,
         HAS_V=row_state is not None,
         BLOCK_R=block_r,
@@ -763,7 +771,7 @@ def update_rows(
     update: torch.Tensor,
     slot: torch.Tensor | None,
     lr: torch.Tensor,
-    decay: torch.Tensor,
+    decay: torch.Tensor | None,
     mu: float,
     row_denominator: torch.Tensor | None = None,
     matrix_scale: torch.Tensor | None = None,

@@ -3,8 +3,9 @@
 Row selection, the gathers, Gram NS, the scatters, the fused updates and AdamW issue many
 small kernels; replaying a CUDA graph turns their host cost into one launch. The learning
 rate and the matrices' weight decay stay live: they are device tensors refreshed before every
-replay, so LR schedules (torchtitan's LambdaLR) still apply. An AdamW group's weight decay,
-betas and eps are constants of the graph: changing one re-captures. Non-finite gradients are
+replay, so LR schedules (torchtitan's LambdaLR) still apply; only turning a matrix group's
+weight decay on or off (from or to 0) re-captures. An AdamW group's weight decay, betas and
+eps are constants of the graph: changing one re-captures. Non-finite gradients are
 handled on the device as in an eager step, and the host reads a replay's flag at the next
 ``step()`` as it does an eager step's (optim/nonfinite.py): "raise" raises there, with nothing
 of the bad step applied.
@@ -87,14 +88,17 @@ class GraphedOptimizer:
     def signature(self) -> tuple:
         """What a captured step bakes in: the state tensors (``state_version``; Dion3 refuses
         new param groups after construction), where its non-finite flag comes from (a given
-        gradient norm or its own pass) and the AdamW groups' constants, which torch's AdamW
-        reads as Python floats. (Matrix groups read lr and weight decay live.)"""
+        gradient norm or its own pass), the AdamW groups' constants, which torch's AdamW
+        reads as Python floats, and whether each matrix group decays its weights at all
+        (without weight decay the update leaves the rows that are not selected unread).
+        (Matrix groups read lr and the size of their weight decay live.)"""
         opt = self.optimizer
         adamw = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
         return (
             opt.state_version,
             opt.nonfinite.norm_given,
             *((g["weight_decay"], g["eps"], *g["betas"]) for g in adamw),
+            *(g["weight_decay"] != 0 for g in opt.param_groups if g["algorithm"] != "adamw"),
         )
 
     def step(self, closure=None):

@@ -406,7 +406,7 @@ class Dion3(torch.optim.Optimizer):
         lr = self.nonfinite.scale(lr)
         transfer = fraction_transfer(group["fraction"], group["fraction_lr_transfer"])
         mu = self.nonfinite.factor(group["momentum"])
-        return Factors(lr, 1.0 - (lr * transfer) * wd, mu, group["momentum"])
+        return Factors(lr, 1.0 - (lr * transfer) * wd, mu, group["momentum"], decays=group["weight_decay"] != 0)
 
     def _device(self) -> torch.device:
         return next((to_local(p).device for g in self.param_groups for p in g["params"]), torch.device("cpu"))

@@ -146,7 +146,7 @@ def update(
     result: torch.Tensor,
     slot: torch.Tensor | None,
     lr: torch.Tensor,
-    decay: torch.Tensor,
+    decay: torch.Tensor | None,
     mu: float,
     lr_scales: Sequence[float],
     den: torch.Tensor | None = None,
@@ -159,7 +159,8 @@ def update(
 ) -> None:
     """update.apply_update of a whole shape group (+ the flavor's epilogue when ``den``/
     ``scale`` are given, + its new per-row state) in one pass; ``slot`` from ``slots`` (None:
-    every row, in order, f = 1); member i's learning rate is ``lr * lr_scales[i]``."""
+    every row, in order, f = 1); member i's learning rate is ``lr * lr_scales[i]``; ``decay``
+    None: no weight decay (the rows that are not selected stay unread)."""
     rk.update_rows_group(
         weights,
         momenta,

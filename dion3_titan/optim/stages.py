@@ -85,6 +85,9 @@ class Factors:
     decay: torch.Tensor  # 1 - lr' * weight_decay (exactly 1 on such a step)
     mu: torch.Tensor  # the momentum decay of the selected rows (exactly 1 on such a step)
     momentum: float  # mu as configured (kernels gate it themselves)
+    # weight_decay != 0: the rows that are not selected change too. Without it a stage may
+    # leave them unread (decay is then exactly 1); a captured step bakes this in (its signature)
+    decays: bool = True
 
 
 class Stages:

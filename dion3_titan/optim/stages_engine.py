@@ -104,7 +104,7 @@ class RowEngineStages(Stages):
             result,
             slot,
             factors.lr,
-            factors.decay,
+            factors.decay if factors.decays else None,
             factors.momentum,
             [m.lr_scale for m in g.members],
             None if norm.den is None else norm.den[:, : sg.selected],

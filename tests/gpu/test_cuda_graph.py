@@ -73,17 +73,19 @@ def test_graph_equals_eager_one_gpu(fraction, flavor):
 
 
 def test_live_weight_decay_change_under_graph():
-    """Weight decay changed after capture: the matrices' value is read live (no re-capture),
-    the AdamW group's is baked into the graph (torch's AdamW takes it as a float), so changing
-    it re-captures. Both give the eager run's bits."""
-    changes = {6: (0.3, 0.1), 9: (0.3, 0.05), 12: (0.0, 0.05), 15: (0.0, 0.0)}
+    """Weight decay changed after capture: the matrices' value is read live (no re-capture)
+    unless it turns on or off (without it the update leaves unselected rows unread), the AdamW
+    group's is baked into the graph (torch's AdamW takes it as a float), so changing it
+    re-captures. All give the eager run's bits."""
+    changes = {6: (0.3, 0.1), 9: (0.3, 0.05), 12: (0.0, 0.05), 15: (0.0, 0.0), 17: (0.2, 0.0)}
     base = _model("cuda")
-    eager, _ = _train(copy.deepcopy(base), False, 0.25, "normuon", 18, "cuda", changes)
-    graphed, captures = _train(copy.deepcopy(base), True, 0.25, "normuon", 18, "cuda", changes)
-    assert captures == 3  # the first capture, then the AdamW changes at steps 9 and 15
+    eager, _ = _train(copy.deepcopy(base), False, 0.25, "normuon", 20, "cuda", changes)
+    graphed, captures = _train(copy.deepcopy(base), True, 0.25, "normuon", 20, "cuda", changes)
+    # the first capture; the AdamW changes at steps 9 and 15; the matrices' off at 12, on at 17
+    assert captures == 5
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
-    unchanged, _ = _train(copy.deepcopy(base), False, 0.25, "normuon", 18, "cuda")
+    unchanged, _ = _train(copy.deepcopy(base), False, 0.25, "normuon", 20, "cuda")
     assert all(not torch.equal(a, b) for a, b in zip(eager, unchanged))  # the changes took effect
 
 
