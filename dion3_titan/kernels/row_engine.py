@@ -689,8 +689,9 @@ def update_rows_group(
     (N, k) and ``matrix_scale`` (N,) the NorMuon form (update / denominator) * scale. ``lr``,
     ``decay`` and ``ok`` (nonzero: apply) are 0-dim device tensors, read live under graph
     replay; ``decay`` None: no weight decay, and the rows that are not selected are left
-    untouched (neither read nor written: (1 - f) of the weights' traffic). ``void`` (N,) bool: matrices whose U counts as zero (decay and error feedback still
-    run). Views whose ``active`` entry is False are left as they are. One launch."""
+    untouched (neither read nor written: (1 - f) of the weights' traffic). ``void`` (N,) bool:
+    matrices whose U counts as zero (decay and error feedback still run). Views whose
+    ``active`` entry is False are left as they are. One launch."""
     N, (R, C) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
     if momenta is not None and [m.shape for m in momenta] != [w.shape for w in weights]:
         raise ValueError("update_rows: momentum and weight views differ in shape")
