@@ -473,7 +473,7 @@ def sym_gemm_tma(
     misaligned storage): the caller then uses the general kernel. ``config``: a ``TmaConfig``
     (or a tuple of its fields) in place of TMA_CONFIG."""
     L, n, k = _check_sym_operands(a, b)
-    cfg = TmaConfig(*(config or TMA_CONFIG))
+    cfg = config if isinstance(config, TmaConfig) else TmaConfig(*(config or TMA_CONFIG))  # sym_gemm passes one
     block, block_k = cfg.block, cfg.block_k
     if cfg.wide and cfg.group % 2:
         raise ValueError(f"sym_gemm_tma: a wide config needs an even GROUP; got config={tuple(cfg)}")
