@@ -122,6 +122,28 @@ def _checks(seed: int) -> list[dict]:
         ref = sel / (torch.linalg.vector_norm(sel, dim=(-2, -1), keepdim=True) + 1e-7)
         out.append({"check": "pack_norm", "case": layout, "err": rel(got, ref)})
 
+    # (a') a captured launch pointed at moved gradients (optim/moving_grads.py): the same
+    # launch arguments, the table rewritten, reads the new gradients and then the old again
+    for layout in ("rowmajor", "transposed", "piece"):
+        ms = [_views(torch.float32, 2, 9, 70)[layout], _views(torch.float32, 1, 9, 70)[layout]]
+        first = [_views(torch.float32, 2, 9, 70)[layout], _views(torch.float32, 1, 9, 70)[layout]]
+        ref = [m.clone() for m in ms]
+        movable = rk.MovableOperand(first, [True, True])
+        l1, sq = torch.empty(3, 9), torch.empty(3, 9)
+        bitwise = True
+        for step in range(3):
+            if step == 1:  # new gradients elsewhere, same strides
+                now = [_views(torch.float32, 2, 9, 70)[layout], _views(torch.float32, 1, 9, 70)[layout]]
+            else:  # back to (and, first, at) the tensors it was built with
+                now = first
+            for i, (g, g0) in enumerate(zip(now, first)):
+                movable.move(i, g.data_ptr() - g0.data_ptr())
+            movable.flush()
+            rk.accumulate_scores_group(ms, first, l1, sq, grads=movable)
+            torch._foreach_add_(ref, now)
+            bitwise = bitwise and all(torch.equal(m, r) for m, r in zip(ms, ref))
+        out.append({"check": "moved_grads", "case": layout, "bitwise": bitwise})
+
     # (c) update + error feedback (+ NorMuon epilogue, + ok flag)
     for dtype in (torch.float32, torch.bfloat16):
         for B, R, C, k in [(3, 37, 300, 5), (1, 9, 40, 0), (2, 64, 64, 17)]:
@@ -596,6 +618,39 @@ def test_table_cache_builds_each_table_once() -> None:
     assert cache.builds == 3
     operand([a, b], [True, False], cache)  # the least recently used key: evicted, built again
     assert cache.builds == 4
+
+
+def test_captured_accumulate_reads_moved_gradients(results) -> None:
+    bad = [r for r in _of(results, "moved_grads") if not r["bitwise"]]
+    assert not bad, bad
+
+
+def test_moving_gradients_moves_every_reader_or_none() -> None:
+    """A parameter read by two launches moves in both; a distance that breaks one table's
+    alignment moves neither (the caller copies instead); absent views are never registered."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dion3_titan.optim.moving_grads import MovingGradients
+
+    p, q = torch.nn.Parameter(torch.zeros(2, 8)), torch.nn.Parameter(torch.zeros(2, 8))
+    member, other = SimpleNamespace(param=p), SimpleNamespace(param=q)  # all a binding reads of a Member
+    g = torch.zeros(1, 2, 8)
+    moving = MovingGradients(3, g.device)
+    a = moving.operand([member, other], [g, g], [True, False])
+    b = moving.operand([member], [g], [True])
+    with pytest.raises(RuntimeError, match="more than the 3 matrices"):
+        moving.operand([member], [g], [True])
+    assert moving.covers(p) and not moving.covers(q)
+    assert a.align == b.align == 4  # float32 views, offsets multiples of 16 bytes
+    assert not moving.move(p, 4)  # one float: breaks the alignment, nothing moved
+    moving.flush()
+    assert a.table.tolist()[0][0] == b.table.tolist()[0][0] == 0
+    assert moving.move(p, 64)
+    moving.flush()
+    assert a.table.tolist()[0][0] == b.table.tolist()[0][0] == 16
+    assert a.table.tolist()[1] == [0, 0, 0, 0]
 
 
 def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:

@@ -147,7 +147,7 @@ def operand(
     ``present[i]`` False: view i only stands in for its matrices (never read nor written)."""
     here = [True] * len(views) if present is None else [bool(p) for p in present]
     base = next((v for v, p in zip(views, here) if p), views[0])
-    size, origin = base.element_size(), base.data_ptr()
+    origin = base.data_ptr()
     # what the table depends on (addresses relative to the base: none for a single tensor) and
     # what the checks in build() read, so a key seen before needs no checking again; one pass,
     # since this runs for every operand of every launch
@@ -157,27 +157,96 @@ def operand(
     )
 
     def build() -> tuple[torch.Tensor, int, int]:
-        if any(v.dim() != 3 or v.shape[1:] != base.shape[1:] for v in views):
-            raise ValueError(f"row engine: views must be (B, R, C) of one R, C: {[tuple(v.shape) for v in views]}")
-        if any(p and (v.dtype != base.dtype or v.device != base.device) for v, p in zip(views, here)):
-            raise ValueError("row engine: the views of one operand must share dtype and device")
-        rows, offsets = [], []
-        for v, p in zip(views, here):
-            if not p:  # never dereferenced: zeros (a multiple of any alignment)
-                rows += [[0, 0, 0, 0]] * v.shape[0]
-                continue
-            delta, rest = divmod(v.data_ptr() - origin, size)
-            if rest:
-                raise ValueError("row engine: a view is not aligned to its element size")
-            starts = [delta + b * v.stride(0) for b in range(v.shape[0])]
-            rows += [[s, v.stride(1), v.stride(2), 1] for s in starts]
-            offsets += starts
-        live = [v for v, p in zip(views, here) if p]
-        layout, align = _layout_align(live or [base], offsets)
+        rows, layout, align = _table_rows(views, here, base)
         return device_table(rows, torch.int64, base.device), layout, align
 
     table, layout, align = cache.get(key, base.device, build)
     return Operand(base, table, layout, align)
+
+
+def _table_rows(views: Sequence[torch.Tensor], here: list[bool], base: torch.Tensor) -> tuple[list, int, int]:
+    """An operand's table rows (one per matrix, offsets from ``base``), layout and alignment."""
+    if any(v.dim() != 3 or v.shape[1:] != base.shape[1:] for v in views):
+        raise ValueError(f"row engine: views must be (B, R, C) of one R, C: {[tuple(v.shape) for v in views]}")
+    if any(p and (v.dtype != base.dtype or v.device != base.device) for v, p in zip(views, here)):
+        raise ValueError("row engine: the views of one operand must share dtype and device")
+    size, origin = base.element_size(), base.data_ptr()
+    rows, offsets = [], []
+    for v, p in zip(views, here):
+        if not p:  # never dereferenced: zeros (a multiple of any alignment)
+            rows += [[0, 0, 0, 0] for _ in range(v.shape[0])]
+            continue
+        delta, rest = divmod(v.data_ptr() - origin, size)
+        if rest:
+            raise ValueError("row engine: a view is not aligned to its element size")
+        starts = [delta + b * v.stride(0) for b in range(v.shape[0])]
+        rows += [[s, v.stride(1), v.stride(2), 1] for s in starts]
+        offsets += starts
+    live = [v for v, p in zip(views, here) if p]
+    layout, align = _layout_align(live or [base], offsets)
+    return rows, layout, align
+
+
+class MovableOperand:
+    """An operand whose views may move between launches of a captured CUDA graph: its table is
+    its own (never cached) and ``move`` rewrites a view's offsets, so a replayed launch reads
+    that view where it is now. The launch keeps the base it was captured with (as an address
+    only: every offset is relative to it), so a view keeps its strides when it moves, and the
+    distance moved must keep the operand's alignment (``move`` refuses otherwise).
+
+    The table is written by ``flush`` alone, a host-to-device copy that must stay out of any
+    capture (a captured copy would rewrite the table from its host buffer at every replay).
+    ``table``: where the table lives. A table made inside a capture would come from the
+    graph's memory pool, whose blocks the replay may also use for its temporaries, so a
+    captured step passes memory allocated before its capture."""
+
+    def __init__(
+        self, views: Sequence[torch.Tensor], present: Sequence[bool] | None = None, table: torch.Tensor | None = None
+    ) -> None:
+        here = [True] * len(views) if present is None else [bool(p) for p in present]
+        self.base = next((v for v, p in zip(views, here) if p), views[0])
+        self._rows, self.layout, self.align = _table_rows(views, here, self.base)
+        self._built = [row[0] for row in self._rows]  # offsets where the views were
+        starts = [0]
+        for v in views:
+            starts.append(starts[-1] + v.shape[0])
+        self._spans = [(s, e) if p else None for s, e, p in zip(starts, starts[1:], here)]
+        shape = (len(self._rows), 4)
+        if table is None:
+            table = torch.empty(shape, dtype=torch.int64, device=self.base.device)
+        elif table.shape != shape or table.dtype != torch.int64 or table.device != self.base.device:
+            raise ValueError(f"row engine: a movable operand needs an int64 table of {shape} on {self.base.device}")
+        self.table = table
+        self._dirty = True
+
+    @property
+    def operand(self) -> Operand:
+        return Operand(self.base, self.table, self.layout, self.align)
+
+    def can_move(self, index: int, delta_bytes: int) -> bool:
+        """Whether view ``index`` (present) may lie ``delta_bytes`` from where it was built."""
+        return self._spans[index] is not None and delta_bytes % (self.base.element_size() * self.align) == 0
+
+    def move(self, index: int, delta_bytes: int) -> None:
+        """View ``index`` now lies ``delta_bytes`` from where it was built (0: back there), same
+        strides; takes effect at the next ``flush``."""
+        if not self.can_move(index, delta_bytes):
+            raise ValueError(f"row engine: view {index} cannot move by {delta_bytes} bytes (alignment {self.align})")
+        start, end = self._spans[index]
+        shift = delta_bytes // self.base.element_size()
+        for r in range(start, end):
+            if self._rows[r][0] != self._built[r] + shift:
+                self._rows[r][0] = self._built[r] + shift
+                self._dirty = True
+
+    def flush(self) -> None:
+        """Write the table where an offset changed: one asynchronous copy on the current stream."""
+        if self._dirty:
+            if _capturing(self.table.device):
+                raise RuntimeError("row engine: a movable operand's table is written outside CUDA-graph captures")
+            host = torch.tensor(self._rows, dtype=torch.int64, device="cpu")
+            self.table.copy_(host.pin_memory() if self.table.is_cuda else host, non_blocking=True)
+            self._dirty = False
 
 
 def _scales(values: Sequence[float], device: torch.device, cache: TableCache) -> torch.Tensor:
@@ -288,11 +357,14 @@ def accumulate_scores_group(
     sq: torch.Tensor,
     ok: torch.Tensor | None = None,
     cache: TableCache = TABLES,
+    grads: MovableOperand | None = None,
 ) -> None:
     """Each m (B_i, R, C) += its g (same shape; None: only score), in place, rounded once to
     m's dtype; l1 (N, R) and sq (N, R) float32 (N = sum B_i, the views in order) receive each
     row's l1 norm and sum of squares of the new m. ``ok`` (0-dim device tensor): where zero,
-    m is left as it is (and scored so). One launch, no host sync."""
+    m is left as it is (and scored so). ``grads``: the gradients' operand, built by the caller
+    from ``gs`` (so that a captured launch can be pointed at moved gradients). One launch, no
+    host sync."""
     gs = [None] * len(ms) if gs is None else list(gs)
     for m, g in zip(ms, gs):
         if g is not None and g.shape != m.shape:
@@ -304,7 +376,12 @@ def accumulate_scores_group(
         return
     mo = operand(ms, cache=cache)
     has_g = any(g is not None for g in gs)
-    go = operand([m if g is None else g for m, g in zip(ms, gs)], [g is not None for g in gs], cache) if has_g else mo
+    if grads is not None:
+        go = grads.operand
+    elif has_g:
+        go = operand([m if g is None else g for m, g in zip(ms, gs)], [g is not None for g in gs], cache)
+    else:
+        go = mo
     block_r, block_c, warps = _tiles("accumulate", mo.layout, go.layout)
     block_c = min(block_c, next_power_of_2(max(C, 1)))
     launch(

@@ -24,6 +24,7 @@ import torch
 
 from dion3_titan.dist.comm import CommStats
 from dion3_titan.dist.layout import to_local
+from dion3_titan.optim.moving_grads import MovingGradients
 
 _live: "weakref.WeakSet[GraphedOptimizer]" = weakref.WeakSet()
 
@@ -56,9 +57,12 @@ class GraphedOptimizer:
     """Wraps a ``Dion3``: eager for ``warmup_steps`` steps (compiling kernels, allocating
     buffers), then capture once and replay every step.
 
-    Gradients are read from the tensors that held them at capture time: when a step's
-    gradients live elsewhere (FSDP2 may hand out new gradient tensors), they are copied there
-    first, in one multi-tensor copy. ``load_state_dict`` and param-group changes re-capture.
+    The captured kernels read each gradient where it was at capture. When a step's gradients
+    are new tensors (``zero_grad(set_to_none=True)``, FSDP2's reduce-scatter output), a step
+    given its gradient norm (``use_gradient_norm``) points the row engine's tables at the
+    matrices' new gradients (optim/moving_grads.py); the other gradients, and every one
+    in a step that makes its own finiteness pass, are copied into the captured tensors first,
+    in one multi-tensor copy. ``load_state_dict`` and param-group changes re-capture.
     Call ``release`` before destroying the process group.
     """
 
@@ -72,6 +76,8 @@ class GraphedOptimizer:
         self._grads: list[torch.Tensor] = []  # local tensors the graph reads
         self._grad_objects: list[torch.Tensor] = []  # the .grad objects they came from
         self._params: list[torch.Tensor] = []
+        self._moving: MovingGradients | None = None  # where the captured step reads moved gradients
+        self.copied_grads = 0  # gradients the last replay had copied into the captured tensors
         self._version = None
         self._eager_version = None  # the signature of the last eager step
         self.captured_comm: CommStats | None = None  # what the captured step issued
@@ -160,27 +166,53 @@ class GraphedOptimizer:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         opt.comm_stats.reset()
+        # Only a step given its gradient norm reads the matrices' gradients in the accumulate
+        # pass alone; the own finiteness pass reads every gradient where it was captured.
+        matrices = sum(sg.batch for sg in opt.shape_groups)
+        moving = MovingGradients(matrices, to_local(params[0]).device) if opt.nonfinite.norm_given else None
         with torch.cuda.graph(graph, stream=self._stream):
-            opt.step_body()
+            opt.step_body(moving)
+        if moving is not None:
+            moving.flush()  # its tables are written outside the capture, before the first replay
+        self._moving = moving
         # the replayed step issues exactly the collectives the captured one did
         self.captured_comm = opt.comm_stats.copy()
         self._graph = graph
         self._version = self.signature()
 
     def refresh_grads(self) -> None:
-        """Point the captured step at the current gradients: copy any whose storage changed
-        since the capture (a new ``.grad`` object) into the tensors the graph reads."""
+        """Point the captured step at the current gradients (new ``.grad`` objects since the
+        last replay): move the tables that read a matrix's gradient to where it is now, and
+        copy the rest of those whose storage moved into the tensors the graph reads."""
         grads = [p.grad for p in self._params]
         if all(g is held for g, held in zip(grads, self._grad_objects)):
-            return  # the usual case: gradients were written in place (zero_grad keeps them)
-        stale_dst, stale_src = [], []
-        for g, held in zip(grads, self._grads):
+            self.copied_grads = 0
+            return  # gradients written in place, or the same new tensors as the last replay
+        missing = [i for i, g in enumerate(grads) if g is None]
+        if missing:
+            raise ValueError(
+                f"cuda_graph: {len(missing)} parameters have no gradient at this step (the captured step reads "
+                "every gradient it was captured with); give every parameter a gradient or disable cuda_graph"
+            )
+        moving, stale_dst, stale_src = self._moving, [], []
+        for p, g, held in zip(self._params, grads, self._grads):
             local = to_local(g)
-            if local.data_ptr() != held.data_ptr():
+            delta = local.data_ptr() - held.data_ptr()
+            if moving is not None and moving.covers(p):
+                same_layout = (
+                    local.shape == held.shape and local.stride() == held.stride() and local.dtype == held.dtype
+                )
+                if same_layout and moving.move(p, delta):
+                    continue
+                moving.move(p, 0)  # read from the captured tensor, where it is copied below
+            if delta:
                 stale_dst.append(held)
                 stale_src.append(local)
+        if moving is not None:
+            moving.flush()
         if stale_dst:
             torch._foreach_copy_(stale_dst, stale_src)
+        self.copied_grads = len(stale_dst)
         self._grad_objects = grads
 
     def release(self) -> None:
@@ -190,7 +222,7 @@ class GraphedOptimizer:
         if self._graph is not None:
             torch.cuda.synchronize()
             self._graph = None
-            self._grads, self._grad_objects, self._params = [], [], []
+            self._grads, self._grad_objects, self._params, self._moving = [], [], [], None
             self._eager_steps = min(self._eager_steps, self.warmup_steps - 1)
 
     def state_dict(self):
@@ -201,5 +233,6 @@ class GraphedOptimizer:
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # Gradients must stay where the graph reads them; FSDP2 overwrites them anyway.
-        self.optimizer.zero_grad(set_to_none=False)
+        # New gradient tensors are found by refresh_grads; set to None, autograd and FSDP2 write
+        # the next ones without a memset and a read-modify-write of the old.
+        self.optimizer.zero_grad(set_to_none=set_to_none)

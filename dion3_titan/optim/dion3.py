@@ -21,6 +21,7 @@ from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.optim import engine
 from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
+from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.observe import Observer
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
@@ -281,10 +282,11 @@ class Dion3(torch.optim.Optimizer):
         self._hyper_values = values
 
     @torch.no_grad()
-    def step_body(self) -> None:
+    def step_body(self, moving: MovingGradients | None = None) -> None:
         """Everything a step does on the device, every state write gated by the gradients'
         ``ok`` flag (optim/nonfinite.py). It never waits on the device, so the same code runs
-        eagerly and inside a CUDA-graph capture."""
+        eagerly and inside a CUDA-graph capture. ``moving`` (a capture): the gradients read
+        through movable tables are registered there (optim/moving_grads.py)."""
         self.nonfinite.check(self._named_grads, self._device())
         if self.replicate_sync == "compressed":  # AdamW's gradients as FSDP2 would have synced them
             grads = [p.grad for g, c in zip(self.param_groups, self._configs) if c is None for p in g["params"]]
@@ -292,16 +294,16 @@ class Dion3(torch.optim.Optimizer):
         for gi, (group, cfg) in enumerate(zip(self.param_groups, self._configs)):
             if cfg is None:
                 self._adamw_step(gi, group)
-        self._matrix_steps(self._groups)
+        self._matrix_steps(self._groups, moving)
         self.nonfinite.publish()
 
-    def _matrix_steps(self, groups: list[ShapeGroup]) -> None:
+    def _matrix_steps(self, groups: list[ShapeGroup], moving: MovingGradients | None = None) -> None:
         """The matrix pipeline: momentum accumulation for every group, then each shape group
         from selection to update before the next starts, so only one group's Newton-Schulz
         buffers are alive at a time."""
         self.observer.count_step(self.nonfinite.ok)
         self.selector.seed(groups, self._configs, self.param_groups)
-        stats = self._accumulate(groups)
+        stats = self._accumulate(groups, moving)
         factors = {gi: self._step_factors(gi) for gi in dict.fromkeys(sg.group_index for sg in groups)}
         for sg in groups:
             self._step_group(sg, stats.get(id(sg)), factors[sg.group_index])
@@ -382,14 +384,14 @@ class Dion3(torch.optim.Optimizer):
     def _momentum(self, param: torch.Tensor) -> torch.Tensor:
         return to_local(self.state[param]["momentum"])
 
-    def _accumulate(self, groups: list[ShapeGroup]) -> dict[int, RowStats]:
+    def _accumulate(self, groups: list[ShapeGroup], moving: MovingGradients | None = None) -> dict[int, RowStats]:
         """1. M <- M + G, once per parameter (a split parameter has several members). Groups
         the row engine serves also get their rows' statistics from the same pass, by id(group)."""
         stats: dict[int, RowStats] = {}
         for stages in (self._row_engine, self._reference):
             mine = [sg for sg in groups if self._stages(sg) is stages]
             if mine:
-                stats.update(stages.accumulate(mine, self._momentum, self.nonfinite, self.kernel_tables))
+                stats.update(stages.accumulate(mine, self._momentum, self.nonfinite, self.kernel_tables, moving))
         return stats
 
     def _add_gradients(self, groups: list[ShapeGroup]) -> None:

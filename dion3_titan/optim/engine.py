@@ -23,6 +23,7 @@ from dion3_titan.dist.plan import Member
 from dion3_titan.kernels import row_engine as rk
 from dion3_titan.kernels.backend import interpreting
 from dion3_titan.kernels.row_engine import TABLES, RowState, TableCache
+from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,9 +42,11 @@ def accumulate(
     grad_of: Callable[[torch.Tensor], torch.Tensor | None],
     guard: NonfiniteGuard,
     tables: TableCache = TABLES,
+    moving: MovingGradients | None = None,
 ) -> None:
     """M += G once per parameter and every member's row scores, one launch per shape group.
-    On a step whose gradients ``guard`` found not finite, M keeps its bits.
+    On a step whose gradients ``guard`` found not finite, M keeps its bits. With ``moving``
+    (a captured step), the launches read the gradients through its movable tables.
 
     ``groups``: (members, l1 (N, R), sq (N, R)) per shape group, written by the launch;
     ``momentum(param)`` and ``grad_of(param)`` give local tensors (grad None: score only). A
@@ -64,7 +67,11 @@ def accumulate(
     for (members, l1, sq), vs in zip(groups, views):
         grads = [None if id(m.param) in added else grad_of(m.param) for m in members]
         grads = [None if g is None else m.view(g) for m, g in zip(members, grads)]
-        rk.accumulate_scores_group(vs, grads, l1, sq, ok=guard.ok, cache=tables)
+        movable = None
+        if moving is not None and any(g is not None for g in grads):
+            present = [g is not None for g in grads]
+            movable = moving.operand(members, [v if g is None else g for v, g in zip(vs, grads)], present)
+        rk.accumulate_scores_group(vs, grads, l1, sq, ok=guard.ok, cache=tables, grads=movable)
 
 
 def pack(

@@ -35,6 +35,7 @@ from dion3_titan.dist.plan import Member, ShapeGroup
 from dion3_titan.kernels import select_backend
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.dion3 import ADAMW_DEFAULTS, Dion3
+from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.rownorm import (
     SplitGroups,
     orient,
@@ -161,7 +162,7 @@ class PeriodicRowwiseMuon(Dion3):
         return group[STEP_KEY] % group["refresh_period"] == 0
 
     # ----------------------------------------------------------------- the step
-    def _matrix_steps(self, shape_groups: list[ShapeGroup]) -> None:
+    def _matrix_steps(self, shape_groups: list[ShapeGroup], moving: MovingGradients | None = None) -> None:
         """Step t of every matrix group: refresh groups run Dion3's pipeline (fraction 1: full
         NS of M_t, then M *= mu), the others one RowNorm pass over all their shape groups
         together, so the split matrices' statistics share one all-reduce. Then t += 1 (on the
@@ -176,7 +177,7 @@ class PeriodicRowwiseMuon(Dion3):
         refresh = [sg for sg in shape_groups if self.is_refresh(sg.group_index)]
         rownorm_groups = [sg for sg in shape_groups if not self.is_refresh(sg.group_index)]
         if refresh:
-            super()._matrix_steps(refresh)
+            super()._matrix_steps(refresh, moving)
         if rownorm_groups:
             self._rownorm_step(rownorm_groups)
         for group, cfg in zip(self.param_groups, self._configs):

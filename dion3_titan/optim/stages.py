@@ -23,6 +23,7 @@ from dion3_titan.kernels import Backend
 from dion3_titan.kernels.row_engine import TableCache
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.flavors import Flavor
+from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import NSSettings
 from dion3_titan.optim.selection import Selection
@@ -101,9 +102,12 @@ class Stages:
         momentum: Callable[[torch.Tensor], torch.Tensor],
         guard: NonfiniteGuard,
         tables: TableCache,
+        moving: MovingGradients | None = None,
     ) -> dict[int, RowStats]:
         """1. M <- M + G (gated by ``guard``), once per parameter of ``groups``; returns the
-        row statistics by id(group) where this implementation computes them in the same pass."""
+        row statistics by id(group) where this implementation computes them in the same pass.
+        ``moving`` (a captured step): gradients this implementation reads through movable
+        tables are registered there (optim/moving_grads.py); the rest stay where they are."""
         raise NotImplementedError
 
     def pack(self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool) -> Packed:

@@ -13,6 +13,7 @@ from dion3_titan.dist.plan import ShapeGroup
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.kernels.row_engine import TableCache
 from dion3_titan.optim import engine
+from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import is_transposed_batch
 from dion3_titan.optim.selection import Selection
@@ -28,8 +29,10 @@ class RowEngineStages(Stages):
         momentum: Callable[[torch.Tensor], torch.Tensor],
         guard: NonfiniteGuard,
         tables: TableCache,
+        moving: MovingGradients | None = None,
     ) -> dict[int, RowStats]:
-        """M += G and each row's l1 norm and sum of squares, one launch per shape group."""
+        """M += G and each row's l1 norm and sum of squares, one launch per shape group; the
+        gradients read through ``moving``'s tables when given."""
         stats = {}
         for sg in groups:
             device = to_local(sg.members[0].param).device
@@ -41,6 +44,7 @@ class RowEngineStages(Stages):
             lambda p: None if p.grad is None else to_local(p.grad),
             guard,
             tables,
+            moving,
         )
         return stats
 

@@ -8,6 +8,7 @@ import torch
 from dion3_titan.dist.plan import ShapeGroup
 from dion3_titan.kernels import Backend
 from dion3_titan.kernels.row_engine import TableCache
+from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import is_transposed_batch, normalize_batch
 from dion3_titan.optim.selection import Selection
@@ -33,7 +34,9 @@ class ReferenceStages(Stages):
         momentum: Callable[[torch.Tensor], torch.Tensor],
         guard: NonfiniteGuard,
         tables: TableCache,
+        moving: MovingGradients | None = None,
     ) -> dict[int, RowStats]:
+        # torch ops read the gradients where they are: nothing registered in ``moving``
         pairs = gradients_once(groups)
         guard.accumulate([momentum(m.param) for m, _ in pairs], [grad for _, grad in pairs])
         return {}

@@ -366,3 +366,58 @@ def test_a_step_without_a_norm_after_a_norm_capture_recaptures():
     assert e_sources == sources == {"gradient_norm": 6, "own_pass": 5}
     for a, b in zip(got, eager):
         assert torch.equal(a, b)
+
+
+def _new_grads_run(params, graphed: bool, steps: int, shift_odd_steps: bool):
+    """Every step: ``zero_grad(set_to_none=True)``, then each gradient in new memory (earlier
+    steps' buffers kept, so no address comes back), with its norm given. ``shift_odd_steps``:
+    on odd steps the gradients start one float into their buffer, a distance the captured
+    tables' alignment cannot take (those steps copy). Returns the parameters and, per replay,
+    how many gradients were copied."""
+    from dion3_titan import Dion3
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+
+    device = params[0].device
+    opt = Dion3(
+        [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
+        lr=0.02,
+        fraction=0.25,
+        flavor="normuon",
+        weight_decay=0.1,
+    )
+    runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
+    buffers, copied = [], []
+    for step in range(steps):
+        runner.zero_grad(set_to_none=True)
+        shift = step % 2 if shift_odd_steps else 0
+        for p, g in zip(params, _grads(step, device)):
+            buf = torch.empty(g.numel() + 1, device=device)
+            p.grad = buf[shift : shift + g.numel()].view_as(g).copy_(g)
+            buffers.append(buf)
+        runner.use_gradient_norm(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        runner.step()
+        if graphed and runner.graph is not None:
+            copied.append(runner.copied_grads)
+    torch.cuda.synchronize()
+    if graphed:
+        runner.release()
+    return [p.detach().clone() for p in params], copied
+
+
+@pytest.mark.parametrize("shift_odd_steps", [False, True])
+def test_new_gradient_tensors_are_read_where_they_are(shift_odd_steps):
+    """Gradients in new tensors every step (set to None, as torchtitan's zero_grad does): a
+    replay reads the matrices' gradients where they now are and copies only AdamW's, and when a
+    gradient's new place breaks the captured tables' alignment it is copied instead; bit for
+    bit the eager run either way."""
+    base = _model("cuda")
+    eager, _ = _new_grads_run(list(copy.deepcopy(base)), False, 10, shift_odd_steps)
+    got, copied = _new_grads_run(list(copy.deepcopy(base)), True, 10, shift_odd_steps)
+    matrices = sum(1 for p in base if p.ndim >= 2)
+    # 3 eager steps, then the capture (its own gradients: nothing to copy) and 6 replays
+    if shift_odd_steps:  # captured on odd step 3: even replays copy every gradient, odd ones AdamW's
+        assert copied == [0] + [matrices + 1, 1] * 3, copied
+    else:
+        assert copied == [0] + [1] * 6, copied  # AdamW's vector alone
+    for a, b, p0 in zip(got, eager, base):
+        assert torch.equal(a, b) and not torch.equal(a, p0)
