@@ -16,6 +16,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 SHAPES = [(64, 256), (64, 256), (256, 64), (128, 128), (4, 32, 96), (256,)]
 
 
+def _normuon_quarter(params, graphed: bool):
+    """Dion3 (NorMuon, f = 1/4, weight decay 0.1) over ``params[:-1]`` and AdamW over the last,
+    and what steps it: a GraphedOptimizer (3 eager steps) when ``graphed``."""
+    from dion3_titan import Dion3
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+
+    opt = Dion3(
+        [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
+        lr=0.02,
+        fraction=0.25,
+        flavor="normuon",
+        weight_decay=0.1,
+    )
+    return opt, (GraphedOptimizer(opt, warmup_steps=3) if graphed else opt)
+
+
 def _model(device):
     g = torch.Generator().manual_seed(0)
     m = nn.ParameterList([nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES])
@@ -93,22 +109,12 @@ def _fsdp_worker(rank, world, out_path):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from dion3_titan import Dion3
-    from dion3_titan.optim.cuda_graph import GraphedOptimizer
-
     results = []
     for graphed in (False, True):
         model = _model(f"cuda:{rank}")
         fully_shard(model)
         params = list(model)
-        opt = Dion3(
-            [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
-            lr=0.02,
-            fraction=0.25,
-            flavor="normuon",
-            weight_decay=0.1,
-        )
-        runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
+        _, runner = _normuon_quarter(params, graphed)
         for step in range(20):
             for p, g in zip(params, _grads(step, f"cuda:{rank}")):
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements)  # new tensors each step
@@ -374,18 +380,8 @@ def _new_grads_run(params, graphed: bool, steps: int, shift_odd_steps: bool):
     on odd steps the gradients start one float into their buffer, a distance the captured
     tables' alignment cannot take (those steps copy). Returns the parameters and, per replay,
     how many gradients were copied."""
-    from dion3_titan import Dion3
-    from dion3_titan.optim.cuda_graph import GraphedOptimizer
-
     device = params[0].device
-    opt = Dion3(
-        [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
-        lr=0.02,
-        fraction=0.25,
-        flavor="normuon",
-        weight_decay=0.1,
-    )
-    runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
+    _, runner = _normuon_quarter(params, graphed)
     buffers, copied = [], []
     for step in range(steps):
         runner.zero_grad(set_to_none=True)
