@@ -350,6 +350,14 @@ def _accumulate_scores_kernel(
     tl.store(sq_ptr + n * s_ob + rows64 * s_or, tl.sum(sq, axis=1), mask=row_ok)
 
 
+def gradient_views(
+    ms: Sequence[torch.Tensor], gs: Sequence[torch.Tensor | None]
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """The gradient operand's views and which are present: a matrix without a gradient is
+    stood in for by its momentum view (same shape, never read)."""
+    return [m if g is None else g for m, g in zip(ms, gs)], [g is not None for g in gs]
+
+
 def accumulate_scores_group(
     ms: Sequence[torch.Tensor],
     gs: Sequence[torch.Tensor | None] | None,
@@ -363,8 +371,8 @@ def accumulate_scores_group(
     m's dtype; l1 (N, R) and sq (N, R) float32 (N = sum B_i, the views in order) receive each
     row's l1 norm and sum of squares of the new m. ``ok`` (0-dim device tensor): where zero,
     m is left as it is (and scored so). ``grads``: the gradients' operand, built by the caller
-    from ``gs`` (so that a captured launch can be pointed at moved gradients). One launch, no
-    host sync."""
+    from ``gradient_views(ms, gs)`` (so that a captured launch can be pointed at moved
+    gradients). One launch, no host sync."""
     gs = [None] * len(ms) if gs is None else list(gs)
     for m, g in zip(ms, gs):
         if g is not None and g.shape != m.shape:
@@ -379,7 +387,7 @@ def accumulate_scores_group(
     if grads is not None:
         go = grads.operand
     elif has_g:
-        go = operand([m if g is None else g for m, g in zip(ms, gs)], [g is not None for g in gs], cache)
+        go = operand(*gradient_views(ms, gs), cache)
     else:
         go = mo
     block_r, block_c, warps = _tiles("accumulate", mo.layout, go.layout)

@@ -69,8 +69,7 @@ def accumulate(
         grads = [None if g is None else m.view(g) for m, g in zip(members, grads)]
         movable = None
         if moving is not None and any(g is not None for g in grads):
-            present = [g is not None for g in grads]
-            movable = moving.operand(members, [v if g is None else g for v, g in zip(vs, grads)], present)
+            movable = moving.operand(members, *rk.gradient_views(vs, grads))
         rk.accumulate_scores_group(vs, grads, l1, sq, ok=guard.ok, cache=tables, grads=movable)
 
 
