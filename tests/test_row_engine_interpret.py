@@ -535,6 +535,164 @@ def _nonfinite_checks() -> list[dict]:
     return out
 
 
+def _cpu_graphs(runner_of):
+    """Stand-ins for the CUDA calls of optim/cuda_graph.py, so that ``GraphedOptimizer`` runs on
+    CPU with its own capture and refresh code. Inside the stand-in capture the row engine
+    behaves as in a real one (``row_engine._capturing``): a missing kernel table raises and no
+    table is written. Its body runs: that is the capture and the first replay in one
+    (``GraphedOptimizer.step`` replays right after capturing, with nothing changed between). A
+    later replay runs the captured body again reading what the graph would read: every
+    gradient at the tensor it was captured at (the runner's ``_grads``), except through the
+    accumulate pass's movable tables (the operands the capture made, as last flushed).
+    ``runner_of()``: the GraphedOptimizer being captured. Returns the undo."""
+    import contextlib
+
+    import torch
+
+    from dion3_titan.kernels import row_engine as rk
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+    from dion3_titan.optim.moving_grads import MovingGradients
+
+    make = MovingGradients.operand
+
+    class Graph:
+        def __init__(self) -> None:
+            self.runner, self.replays = runner_of(), 0
+
+        def replay(self) -> None:
+            self.replays += 1
+            if self.replays == 1:
+                return  # the capture ran it
+            runner, moving = self.runner, self.runner._moving
+            made = iter(moving._operands)
+            now = [p.grad for p in runner._params]
+            for p, held in zip(runner._params, runner._grads):
+                p.grad = held
+            moving.operand = lambda members, views, present: next(made)
+            try:
+                runner.optimizer.step_body(moving)
+            finally:
+                del moving.operand
+                for p, g in zip(runner._params, now):
+                    p.grad = g
+            assert next(made, None) is None, "the replay launched fewer accumulate passes than captured"
+
+    def operand(self, *args):
+        # a real capture launches nothing, so the table may be written after it (flush); this
+        # one runs the launch: it gets the table's first rows where it is made
+        op = make(self, *args)
+        op.table.copy_(torch.tensor(op._rows, dtype=torch.int64))
+        return op
+
+    @contextlib.contextmanager
+    def graph(g, stream=None):
+        capturing = rk._capturing
+        rk._capturing = lambda device: True
+        MovingGradients.operand = operand
+        try:
+            yield
+        finally:
+            rk._capturing = capturing
+            MovingGradients.operand = make
+
+    saved = [
+        (torch.cuda, name, getattr(torch.cuda, name)) for name in ("CUDAGraph", "graph", "synchronize", "Stream")
+    ] + [(GraphedOptimizer, "_side_stream_run", GraphedOptimizer._side_stream_run)]
+    torch.cuda.CUDAGraph, torch.cuda.graph = Graph, graph
+    torch.cuda.synchronize = torch.cuda.Stream = lambda *a, **kw: None
+    GraphedOptimizer._side_stream_run = lambda self, fn: fn()
+
+    def undo() -> None:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+    return undo
+
+
+def _replay_checks() -> list[dict]:
+    """GraphedOptimizer's capture and replays (emulated on CPU, ``_cpu_graphs``) against eager
+    steps, bit for bit, when every step's gradients are new tensors (set to None) at new
+    addresses, the capture step's too: their distance within a shape group changes every step,
+    so no eager step built a cached table for the captured gradients. Without a given norm
+    every gradient is copied into its captured tensor and the tables stay where it was
+    captured (a NaN on a replay is then seen by the step's own finiteness pass, which reads
+    the captured tensors: the step is skipped as eagerly); with a norm the matrices'
+    gradients are read where they are and only AdamW's is copied."""
+    import torch
+
+    from dion3_titan.optim import engine
+    from tests.optimizers import normuon_quarter
+
+    shapes = [(24, 40), (24, 40), (2, 16, 24), (40, 24), (40,)]  # the last: AdamW
+    steps, warmup, nan_step = 6, 1, 4  # captured at step 1, replayed from 2; a NaN on replay 4
+    runner = None
+    undo = _cpu_graphs(lambda: runner)
+    runs_on = engine.runs_on
+    engine.runs_on = lambda backend, p: True  # NS on torch (fast here); the row engine on
+    buffers = []  # every step's gradients stay allocated: no address comes back
+    out = []
+    try:
+        for norm_given in (False, True):
+            finals, copied, kept, covered, error = [], [], None, None, None
+            for graphed in (False, True):
+                torch.manual_seed(3)
+                params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+                opt, runner = normuon_quarter(params, graphed, warmup, backend="torch", nonfinite="skip")
+                tables = None
+                try:
+                    for step in range(steps):
+                        runner.zero_grad(set_to_none=True)
+                        g = torch.Generator().manual_seed(100 + step)
+                        values = [torch.randn(s, generator=g) for s in shapes]
+                        if step == nan_step:
+                            values[0].view(-1)[7] = float("nan")
+                        gap = 4 * (step + 1)  # floats between gradients: 16-byte multiples, new each step
+                        buf = torch.empty(sum(v.numel() + gap for v in values))
+                        buffers.append(buf)
+                        at = 0
+                        for prm, v in zip(params, values):
+                            at += gap
+                            prm.grad = buf[at : at + v.numel()].view_as(v).copy_(v)
+                            at += v.numel()
+                        if norm_given:
+                            runner.use_gradient_norm(torch.nn.utils.get_total_norm([prm.grad for prm in params]))
+                        runner.step()
+                        if graphed and runner.graph is not None:
+                            copied.append(runner.copied_grads)
+                            if tables is None:
+                                tables = [op.table.clone() for op in runner._moving._operands]
+                                covered = all(runner._moving.covers(prm) for prm in params[:-1])
+                    if graphed:
+                        ops = runner._moving._operands
+                        kept = all(torch.equal(a, op.table) for a, op in zip(tables, ops))
+                        runner.release()
+                except Exception as exc:  # noqa: BLE001  (reported as the check's failure)
+                    error = f"{type(exc).__name__}: {exc}"
+                    break
+                state = [t for prm in params for t in opt.state[prm].values() if torch.is_tensor(t)]
+                finals.append(
+                    ([t.detach().clone().reshape(-1).view(torch.uint8) for t in params + state], opt.skipped_steps)
+                )
+            out.append(
+                {
+                    "check": "replay",
+                    "case": "norm" if norm_given else "own_pass",
+                    "error": error,
+                    "bitwise": error is None and all(torch.equal(a, b) for a, b in zip(finals[0][0], finals[1][0])),
+                    "skipped": [f[1] for f in finals],
+                    "copied": copied,
+                    "matrices_covered": covered,
+                    "tables_kept": kept,
+                    "params": len(shapes),
+                    "replays": steps - warmup,
+                }
+            )
+    finally:
+        engine.runs_on = runs_on
+        undo()
+    return out
+
+
 # ---------------------------------------------------------------- pytest side (parent process)
 @pytest.fixture(scope="module")
 def results(module_seed: int) -> list[dict]:
@@ -653,6 +811,23 @@ def test_moving_gradients_moves_every_reader_or_none() -> None:
     assert a.table.tolist()[1] == [0, 0, 0, 0]
 
 
+def test_captured_step_reads_new_gradient_tensors_with_and_without_a_norm(results) -> None:
+    """``_replay_checks``: captured with every step's gradients at new addresses, the replayed
+    steps equal the eager ones bit for bit (a NaN replay skipped as eagerly). The accumulate
+    pass reads the matrices' gradients through movable tables in both: without a norm every
+    gradient is copied and the tables stay put, with one only AdamW's is copied."""
+    by_case = {r["case"]: r for r in _of(results, "replay")}
+    for r in by_case.values():
+        assert r["error"] is None and r["bitwise"], r
+        assert r["skipped"] == [1, 1] and r["matrices_covered"], r
+    own, norm = by_case["own_pass"], by_case["norm"]
+    # the capture step (its own gradients: nothing to copy), then every replay
+    assert own["copied"] == [0] + [own["params"]] * (own["replays"] - 1), own
+    assert own["tables_kept"], own
+    assert norm["copied"] == [0] + [1] * (norm["replays"] - 1), norm
+    assert not norm["tables_kept"], norm  # moved to the new gradients
+
+
 def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:
     bad = [r for r in _of(results, "nonfinite") if not (r["ok"] and r["engine_used"])]
     assert not bad, bad
@@ -665,7 +840,7 @@ if __name__ == "__main__":
 
     patch_language_once()
     seed = int(sys.argv[1])
-    for result in _run_checks(seed):
+    for result in _run_checks(seed) + _replay_checks():  # the emulated capture: on CPU only
         print(json.dumps({**result, "seed": seed}))
 
 

@@ -57,12 +57,16 @@ class GraphedOptimizer:
     """Wraps a ``Dion3``: eager for ``warmup_steps`` steps (compiling kernels, allocating
     buffers), then capture once and replay every step.
 
-    The captured kernels read each gradient where it was at capture. When a step's gradients
-    are new tensors (``zero_grad(set_to_none=True)``, FSDP2's reduce-scatter output), a step
-    given its gradient norm (``use_gradient_norm``) points the row engine's tables at the
-    matrices' new gradients (optim/moving_grads.py); the other gradients, and every one
-    in a step that makes its own finiteness pass, are copied into the captured tensors first,
-    in one multi-tensor copy. ``load_state_dict`` and param-group changes re-capture.
+    The captured kernels read each gradient where it was at capture. The row engine's
+    accumulate pass always reads the matrices' gradients through movable tables
+    (optim/moving_grads.py), built at capture from wherever the gradients are then: tables
+    keyed by gradient addresses could not be built during a capture, and new gradient tensors
+    (``zero_grad(set_to_none=True)``, FSDP2's reduce-scatter output) may lie where no eager
+    step's did. When a step's gradients are new tensors, a step given its gradient norm
+    (``use_gradient_norm``) points those tables at the matrices' new gradients; the other
+    gradients, and every one in a step that makes its own finiteness pass (which reads them
+    where they were captured; its tables stay there), are copied into the captured tensors
+    first, in one multi-tensor copy. ``load_state_dict`` and param-group changes re-capture.
     Call ``release`` before destroying the process group.
     """
 
@@ -76,7 +80,8 @@ class GraphedOptimizer:
         self._grads: list[torch.Tensor] = []  # local tensors the graph reads
         self._grad_objects: list[torch.Tensor] = []  # the .grad objects they came from
         self._params: list[torch.Tensor] = []
-        self._moving: MovingGradients | None = None  # where the captured step reads moved gradients
+        self._moving: MovingGradients | None = None  # the captured accumulate pass's gradient tables
+        self._moves_tables = False  # whether a replay points those tables at moved gradients
         self.copied_grads = 0  # gradients the last replay had copied into the captured tensors
         self._version = None
         self._eager_version = None  # the signature of the last eager step
@@ -166,15 +171,20 @@ class GraphedOptimizer:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         opt.comm_stats.reset()
-        # Only a step given its gradient norm reads the matrices' gradients in the accumulate
-        # pass alone; the own finiteness pass reads every gradient where it was captured.
+        # The accumulate pass reads the matrices' gradients through tables built here from where
+        # the gradients are now, with or without a given norm: the row engine's cached tables are
+        # keyed by the gradients' addresses, cannot be built during a capture, and this step's
+        # gradients may lie where no eager step's did.
         matrices = sum(sg.batch for sg in opt.shape_groups)
-        moving = MovingGradients(matrices, to_local(params[0]).device) if opt.nonfinite.norm_given else None
+        moving = MovingGradients(matrices, to_local(params[0]).device)
         with torch.cuda.graph(graph, stream=self._stream):
             opt.step_body(moving)
-        if moving is not None:
-            moving.flush()  # its tables are written outside the capture, before the first replay
+        moving.flush()  # its tables are written outside the capture, before the first replay
         self._moving = moving
+        # Only a step given its gradient norm reads the matrices' gradients in the accumulate
+        # pass alone; the own finiteness pass reads every gradient where it was captured, so
+        # there each moved gradient is copied back and the tables never leave it.
+        self._moves_tables = opt.nonfinite.norm_given
         # the replayed step issues exactly the collectives the captured one did
         self.captured_comm = opt.comm_stats.copy()
         self._graph = graph
@@ -182,8 +192,9 @@ class GraphedOptimizer:
 
     def refresh_grads(self) -> None:
         """Point the captured step at the current gradients (new ``.grad`` objects since the
-        last replay): move the tables that read a matrix's gradient to where it is now, and
-        copy the rest of those whose storage moved into the tensors the graph reads."""
+        last replay): in a step given its gradient norm, move the tables that read a matrix's
+        gradient to where it is now; copy the rest of those whose storage moved (every one in
+        a step without a norm) into the tensors the graph reads."""
         grads = [p.grad for p in self._params]
         if all(g is held for g, held in zip(grads, self._grad_objects)):
             self.copied_grads = 0
@@ -194,11 +205,11 @@ class GraphedOptimizer:
                 f"cuda_graph: {len(missing)} parameters have no gradient at this step (the captured step reads "
                 "every gradient it was captured with); give every parameter a gradient or disable cuda_graph"
             )
-        moving, stale_dst, stale_src = self._moving, [], []
+        moving, moves, stale_dst, stale_src = self._moving, self._moves_tables, [], []
         for p, g, held in zip(self._params, grads, self._grads):
             local = to_local(g)
             delta = local.data_ptr() - held.data_ptr()
-            if moving is not None and moving.covers(p):
+            if moves and moving.covers(p):
                 same_layout = (
                     local.shape == held.shape and local.stride() == held.stride() and local.dtype == held.dtype
                 )
@@ -208,7 +219,7 @@ class GraphedOptimizer:
             if delta:
                 stale_dst.append(held)
                 stale_src.append(local)
-        if moving is not None:
+        if moves:
             moving.flush()
         if stale_dst:
             torch._foreach_copy_(stale_dst, stale_src)
@@ -223,6 +234,7 @@ class GraphedOptimizer:
             torch.cuda.synchronize()
             self._graph = None
             self._grads, self._grad_objects, self._params, self._moving = [], [], [], None
+            self._moves_tables = False
             self._eager_steps = min(self._eager_steps, self.warmup_steps - 1)
 
     def state_dict(self):

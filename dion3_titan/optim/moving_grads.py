@@ -12,8 +12,10 @@ table of offsets. Built with a ``MovingGradients``, those tables are movable
 (``row_engine.MovableOperand``), and ``move`` points them at a parameter's new gradient:
 a small host-to-device copy instead of a pass over the gradient. The caller copies what this
 does not cover: gradients other kernels read too (AdamW's, those added by torch ops, all of
-them when the step makes its own finiteness pass over the gradients), and a gradient whose
-new place breaks its table's alignment or has other strides.
+them when the step makes its own finiteness pass over the gradients, whose tables then stay
+where they were captured), and a gradient whose new place breaks its table's alignment or has
+other strides. A capture makes these tables in any case: the row engine's cached tables are
+keyed by the gradients' addresses and cannot be built during a capture.
 """
 
 from __future__ import annotations

@@ -9,27 +9,12 @@ import torch
 import torch.nn as nn
 
 from tests.inputs import random_grads
+from tests.optimizers import normuon_quarter
 from tests.spawn import spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 SHAPES = [(64, 256), (64, 256), (256, 64), (128, 128), (4, 32, 96), (256,)]
-
-
-def _normuon_quarter(params, graphed: bool):
-    """Dion3 (NorMuon, f = 1/4, weight decay 0.1) over ``params[:-1]`` and AdamW over the last,
-    and what steps it: a GraphedOptimizer (3 eager steps) when ``graphed``."""
-    from dion3_titan import Dion3
-    from dion3_titan.optim.cuda_graph import GraphedOptimizer
-
-    opt = Dion3(
-        [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}],
-        lr=0.02,
-        fraction=0.25,
-        flavor="normuon",
-        weight_decay=0.1,
-    )
-    return opt, (GraphedOptimizer(opt, warmup_steps=3) if graphed else opt)
 
 
 def _model(device):
@@ -114,7 +99,7 @@ def _fsdp_worker(rank, world, out_path):
         model = _model(f"cuda:{rank}")
         fully_shard(model)
         params = list(model)
-        _, runner = _normuon_quarter(params, graphed)
+        _, runner = normuon_quarter(params, graphed)
         for step in range(20):
             for p, g in zip(params, _grads(step, f"cuda:{rank}")):
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements)  # new tensors each step
@@ -381,7 +366,7 @@ def _new_grads_run(params, graphed: bool, steps: int, shift_odd_steps: bool):
     tables' alignment cannot take (those steps copy). Returns the parameters and, per replay,
     how many gradients were copied."""
     device = params[0].device
-    _, runner = _normuon_quarter(params, graphed)
+    _, runner = normuon_quarter(params, graphed)
     buffers, copied = [], []
     for step in range(steps):
         runner.zero_grad(set_to_none=True)
@@ -415,5 +400,67 @@ def test_new_gradient_tensors_are_read_where_they_are(shift_odd_steps):
         assert copied == [0] + [matrices + 1, 1] * 3, copied
     else:
         assert copied == [0] + [1] * 6, copied  # AdamW's vector alone
+    for a, b, p0 in zip(got, eager, base):
+        assert torch.equal(a, b) and not torch.equal(a, p0)
+
+
+def _no_norm_run(params, graphed: bool, steps: int, spread: bool):
+    """Every step: ``zero_grad(set_to_none=True)``, then each gradient a new tensor (earlier
+    steps' kept, so no address comes back) and no gradient norm given: the step makes its own
+    finiteness pass. ``spread``: the step's gradients lie in one new buffer with a gap between
+    them that grows every step, so their distances within a shape group are new at every step,
+    the capture step's included (no eager step built a cached kernel table for them); else
+    each is a tensor of its own, where the allocator puts it. Step BAD_STEP (a replay) gets a
+    NaN in the first gradient. Returns the parameters, per replay how many gradients were
+    copied, whether the capture read every matrix's gradient through movable tables, and
+    the skipped steps."""
+    device = params[0].device
+    opt, runner = normuon_quarter(params, graphed, nonfinite="skip")
+    buffers, copied, covered = [], [], None
+    for step in range(steps):
+        runner.zero_grad(set_to_none=True)
+        grads = _grads(step, device)
+        if step == BAD_STEP:
+            grads[0].view(-1)[7] = float("nan")
+        if spread:
+            gap = 4 * (step + 1)  # floats: 16-byte multiples
+            buf = torch.empty(sum(g.numel() + gap for g in grads), device=device)
+            at = 0
+            for p, g in zip(params, grads):
+                at += gap
+                p.grad = buf[at : at + g.numel()].view_as(g).copy_(g)
+                at += g.numel()
+            buffers.append(buf)
+        else:
+            for p, g in zip(params, grads):
+                p.grad = g  # a new tensor, made by this step's _grads
+            buffers.append(grads)
+        runner.step()
+        if graphed and runner.graph is not None:
+            copied.append(runner.copied_grads)
+            if covered is None:
+                covered = all(runner._moving.covers(p) for p in params[:-1])
+    torch.cuda.synchronize()
+    skipped = opt.skipped_steps
+    if graphed:
+        runner.release()
+    return [p.detach().clone() for p in params], copied, covered, skipped
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_new_gradient_tensors_without_a_norm_are_copied(spread):
+    """No gradient norm given (standalone use, torchtitan with max_norm <= 0) and gradients in
+    new tensors every step, the capture step's too: the capture reads the matrices' gradients
+    through movable tables all the same (none of its kernel tables depends on where the
+    gradients were at an eager step), and every replay copies every gradient into the
+    captured tensors, where the step's own finiteness pass reads them (a NaN on a replay is
+    skipped as eagerly). Bit for bit the eager run."""
+    base = _model("cuda")
+    eager, _, _, e_skipped = _no_norm_run(list(copy.deepcopy(base)), False, 10, spread)
+    got, copied, covered, skipped = _no_norm_run(list(copy.deepcopy(base)), True, 10, spread)
+    # 3 eager steps, then the capture (its own gradients: nothing to copy) and 6 replays
+    assert copied == [0] + [len(SHAPES)] * 6, copied
+    assert covered
+    assert e_skipped == skipped == 1
     for a, b, p0 in zip(got, eager, base):
         assert torch.equal(a, b) and not torch.equal(a, p0)
