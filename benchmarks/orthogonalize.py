@@ -2,7 +2,8 @@
 
 One run prints, per (batch x n x m) shape: plain-PyTorch Muon NS5 (bf16, bmm/baddbmm), our
 Gram NS per backend (torch, triton, cute when available) through ``orthogonalize``, what
-``ns_algorithm = "auto"`` runs on the Triton backend (standard NS on square shapes), eager and
+``ns_algorithm = "auto"`` runs (standard NS on square shapes) on the Triton and CuteDSL backends
+and on the backend ``backend = "auto"`` picks for the shape (the optimizer's choice), eager and
 replayed from a CUDA graph, the gram-newton-schulz package (with quack kernels) when importable,
 and the FLOP floor (kernels/flops.py, symmetric products at half cost, of the real unpadded
 shape) at two dense fp16 rates measured in the same run: 8192^3 and a batched product of the
@@ -31,7 +32,7 @@ from benchmarks.output import fmt, output_path, write_json
 from benchmarks.timing import do_bench_ms as bench
 from benchmarks.timing import graph_ms, matmul_tflops
 from dion3_titan.kernels import triton_mm, triton_ops
-from dion3_titan.kernels.dispatch import get_backend
+from dion3_titan.kernels.dispatch import get_backend, select_backend
 from dion3_titan.kernels.flops import ns_flops
 from dion3_titan.optim.config import MUON_QUINTIC, coefficient_schedule
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
@@ -238,8 +239,14 @@ def main() -> None:
             row["auto_triton_vs_torch_relerr"] = rel(
                 orthogonalize(x, auto, tri), orthogonalize(x, auto, get_backend("torch"))
             )
-            row["auto_triton_graph"] = graph_ms(lambda: orthogonalize(x, auto, tri), reps=20)
-            row["fraction_of_dense"] = row["floor_ms"] / row["auto_triton"]
+            if "cute" in ops:
+                row["auto_cute"] = bench(lambda: orthogonalize(x, auto, ops["cute"]))
+            # what the optimizer runs: backend = "auto" picks per shape (kernels/dispatch.py)
+            chosen = select_backend("auto", (batch, n, m), torch.float16, x.device)
+            row["auto_backend"] = chosen.name
+            row["auto"] = bench(lambda: orthogonalize(x, auto, chosen))
+            row["auto_graph"] = graph_ms(lambda: orthogonalize(x, auto, chosen), reps=20)
+            row["fraction_of_dense"] = row["floor_ms"] / row["auto"]
             for variant in variants:
                 with switched(VARIANTS[variant]):
                     row[f"auto_triton[{variant}]"] = bench(lambda: orthogonalize(x, auto, tri))
@@ -260,8 +267,8 @@ def main() -> None:
         except Exception as exc:
             print(f"[anchor] failed on {row['shape']}: {type(exc).__name__}: {exc}")
             break
-        if "auto_triton" in row:
-            row["auto_triton_vs_anchor"] = row["auto_triton"] / row["gram_newton_schulz"]
+        if "auto" in row:
+            row["auto_vs_anchor"] = row["auto"] / row["gram_newton_schulz"]
         print("anchor", row["shape"], row["gram_newton_schulz"])
         del x
     result["orthogonalize"] = ns_rows
@@ -287,9 +294,11 @@ def main() -> None:
         "gram_cute",
         "standard_triton",
         "auto_triton",
-        "auto_triton_graph",
+        "auto_cute",
+        "auto",
+        "auto_graph",
         "gram_newton_schulz",
-        "auto_triton_vs_anchor",
+        "auto_vs_anchor",
         "fraction_of_dense",
     ] + [f"auto_triton[{v}]" for v in variants]
     print(f"{'shape':>14} " + " ".join(f"{c[-15:]:>15}" for c in cols))

@@ -5,8 +5,8 @@ configs, and of the persistent TMA GEMM (kernels/triton_mm.py) against cuBLAS, i
     python scripts/bench_sym_ab.py [--baseline /tmp/base_triton_ops.py] [--shapes 4x8192,16x2816x4096] \
         [--gemm 32x2048x2048x2048+c,16x2816x2816x4096] [--reps 5]
 
-``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, our CuteDSL kernel (banded and
-row-major tile order) and quack's ``gemm_symmetric`` where importable, then the persistent TMA
+``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, our CuteDSL kernel (its defaults and
+each ``--cute-variants`` setting, e.g. STAGES=5) and quack's ``gemm_symmetric`` where importable, then the persistent TMA
 kernel (in each of ``SYM_TMA_CONFIGS``, or with ``--configs default`` in the two configs
 ``sym_gemm`` chooses from), the per-tile kernel and the TMA kernel with C (alpha*AB + beta*C,
 square shapes only, each of ``SYM_TMA_C_CONFIGS``), baseline (when given) and current interleaved, each timed ``reps`` times
@@ -85,22 +85,25 @@ def _sym_checked(fn, want: torch.Tensor, label: str) -> bool:
     return True
 
 
-def _with_group(group: int, fn):
-    """``fn`` run with the CuteDSL kernel's tile order switched to bands of ``group`` rows."""
+def _with_cute(setting: str, fn):
+    """``fn`` run with one CuteDSL kernel setting switched, e.g. "STAGES=5" or "GROUP=16"."""
     from dion3_titan.kernels import cute_symm
 
+    name, value = setting.split("=")
+
     def run():
-        saved, cute_symm.GROUP = cute_symm.GROUP, group
+        saved = getattr(cute_symm, name)
+        setattr(cute_symm, name, int(value))
         try:
             return fn()
         finally:
-            cute_symm.GROUP = saved
+            setattr(cute_symm, name, saved)
 
     return run
 
 
-def cute_and_quack(x, c, want, want_c, shape: str) -> list:
-    """Our CuteDSL kernel (banded tile order, and row-major as before) and quack's symmetric
+def cute_and_quack(x, c, want, want_c, shape: str, cute_variants: list[str]) -> list:
+    """Our CuteDSL kernel (its defaults, and each of ``cute_variants``) and quack's symmetric
     GEMM, for X X^T (and with C where ``want_c`` is given), where importable; each result
     checked against the Triton kernel's (quack rounds in its own order: its difference is
     printed, not required to be 0)."""
@@ -110,11 +113,21 @@ def cute_and_quack(x, c, want, want_c, shape: str) -> list:
 
         if cute_symm.is_available():
             found += [
-                ("cute(group 8)", lambda m: _with_group(8, lambda: cute_symm.sym_gemm(x, x.mT))()),
-                ("cute(group 1)", lambda m: _with_group(1, lambda: cute_symm.sym_gemm(x, x.mT))()),
+                ("cute", lambda m: cute_symm.sym_gemm(x, x.mT)),
+                *(
+                    (f"cute({v})", lambda m, v=v: _with_cute(v, lambda: cute_symm.sym_gemm(x, x.mT))())
+                    for v in cute_variants
+                ),
             ]
             if want_c is not None:
                 found.append(("cute_addmm", lambda m: cute_symm.sym_gemm(x, x.mT, c, 0.5, -1.5)))
+                found += [
+                    (
+                        f"cute_addmm({v})",
+                        lambda m, v=v: _with_cute(v, lambda: cute_symm.sym_gemm(x, x.mT, c, 0.5, -1.5))(),
+                    )
+                    for v in cute_variants
+                ]
     except ImportError as exc:
         print(f"cute unavailable: {exc}")
     try:
@@ -133,7 +146,9 @@ def cute_and_quack(x, c, want, want_c, shape: str) -> list:
     return ok
 
 
-def sym_rows(base, shapes: list[str], reps: int, only_default: bool = False) -> list[dict]:
+def sym_rows(
+    base, shapes: list[str], reps: int, only_default: bool = False, cute_variants: list[str] = ()
+) -> list[dict]:
     rows = []
     revisions = [("baseline", base), ("current", current)] if base is not None else [("current", current)]
     for shape in shapes:
@@ -160,7 +175,10 @@ def sym_rows(base, shapes: list[str], reps: int, only_default: bool = False) -> 
                 for cfg in c_configs
             ]
         cases = [("cublas_bmm", None, lambda m: torch.bmm(x, x.mT))]
-        cases += [(label, None, fn) for label, fn in cute_and_quack(x, c, want, want_c if k == n else None, shape)]
+        cases += [
+            (label, None, fn)
+            for label, fn in cute_and_quack(x, c, want, want_c if k == n else None, shape, cute_variants)
+        ]
         for label, fn in kernels:
             for rev, mod in revisions:
                 ref = want_c if label.startswith("tma_addmm") else want
@@ -227,9 +245,15 @@ def main() -> None:
     parser.add_argument(
         "--configs", default="all", choices=["all", "default"], help="symmetric TMA configs to time (see above)"
     )
+    parser.add_argument(
+        "--cute-variants",
+        default="",
+        help='comma-separated CuteDSL settings to time beside its defaults, e.g. "STAGES=5,GROUP=16"',
+    )
     args = parser.parse_args()
     base = _load(args.baseline) if args.baseline else None
-    rows = sym_rows(base, [s for s in args.shapes.split(",") if s], args.reps, args.configs == "default")
+    variants = [v for v in args.cute_variants.split(",") if v]
+    rows = sym_rows(base, [s for s in args.shapes.split(",") if s], args.reps, args.configs == "default", variants)
     gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     write_json(output_path(None, "bench_sym_ab.json"), {**meta, "rows": rows, "gemm": gemm})

@@ -380,6 +380,25 @@ def test_select_backend_and_algorithm_on_cpu() -> None:
     assert resolve_algorithm("auto", 4096, 11008) == "gram"
 
 
+def test_cute_window_counts_the_padded_gram_side() -> None:
+    """The sides "auto" sends to CuteDSL on Hopper are those its products run at: 2752 rows are
+    padded to 2816, where Triton's wide tiles measured faster, so they stay on Triton."""
+    from dion3_titan.kernels import dispatch
+    from dion3_titan.kernels.triton_ops import TritonOps
+
+    pad = TritonOps().gram_side
+    assert [dispatch.prefers_cute(pad(n)) for n in (512, 1000, 1024, 1536, 2048, 2752, 2816, 4096)] == [
+        False,
+        True,  # padded to 1024
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+
+
 def test_cute_module_imports_without_a_gpu() -> None:
     import torch
 

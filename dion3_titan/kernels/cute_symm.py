@@ -5,9 +5,15 @@ accumulate, D in the input dtype. One persistent CTA per SM walks a triangular l
 128 x 128 output tiles (lower triangle and diagonal, all batches, in bands of GROUP tile rows). Each CTA has one producer
 warpgroup that streams A and B k-slices into a shared-memory ring with TMA (completion on
 mbarriers) and two consumer warpgroups that run wgmma on it (64 rows each). The epilogue
-converts the fp32 accumulators to the output dtype and stores the tile twice from registers:
-at (i, j) and, through a transposed view of D, at (j, i); a diagonal tile stores its lower
-triangle at both places, so the result is exactly symmetric by construction.
+converts the fp32 accumulators to the output dtype and writes the tile twice into shared
+memory, once row-major and once column-major (``stmatrix`` and its transposing form); TMA
+stores them at (i, j) of D and at (i, j) of D's transposed view, i.e. at (j, i) of D. The
+stores run while the consumers start the next tile's mainloop; only the next epilogue waits
+for them to have read shared memory. A diagonal tile takes the transpose of its lower triangle
+as its upper one in shared memory and is stored once, so the result is exactly symmetric by
+construction. C (for alpha A B + beta C) comes by TMA into the row-major shared tile: the
+producer loads it after the tile's last A/B slice, once the store warp has seen the previous
+tile's stores read that tile.
 
 Limits (the backend falls back to Triton outside them): CUDA SM90 only, n a multiple of 128,
 k a multiple of 8 and each operand with a unit stride in its n or k mode (TMA's 16-byte rule).
@@ -32,8 +38,13 @@ TILE_K = 64  # k-slice per pipeline stage
 # once share A and B panels in L2 (GROUP = 1 is row-major: every CTA of a wave reads its own
 # B panel).
 GROUP = 8
-STAGES = 5  # 5 x 32 KB of A/B slices in shared memory
+STAGES = 4  # 4 x 32 KB of A/B slices in shared memory, beside the 2 x 32 KB epilogue tiles
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers
+_MMA_THREADS = 256
+_EPI_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA's)
+_STORE_WARP = 4  # first consumer warp: issues the epilogue's TMA stores
+_C_FREE_KT = 4  # mainloop steps before the epilogue tiles are freed for C (the stores take < 1)
+EPI_TILE = (TILE, 32)  # the epilogue's register-to-shared strips (CUTLASS's SM90 cooperative choice)
 
 
 def is_available() -> bool:
@@ -52,9 +63,18 @@ def _kernel_class() -> type:
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90
 
+    def _tma_tiles(atom: Any, tensor: Any, smem: Any, tile: tuple) -> tuple[Any, Any]:
+        """A TMA tensor cut into ``tile``s, partitioned for ``atom`` against the shared-memory
+        tile ``smem`` (staged or not): (box, stage) and (box, tile coordinates..., L)."""
+        tiles = cute.local_tile(tensor, tile, (None, None, None))
+        return cute.nvgpu.cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(tiles, 0, 2)
+        )
+
     class SymGemmSm90:
-        def __init__(self, has_c: bool) -> None:
+        def __init__(self, has_c: bool, stages: int = STAGES) -> None:
             self.has_c = has_c
+            self.stages = stages
             self.acc_dtype = cutlass.Float32
             self.num_mma_wg = 2
             self.mma_threads = 128 * self.num_mma_wg
@@ -65,7 +85,7 @@ def _kernel_class() -> type:
             mA: cute.Tensor,  # (n, k, L)
             mB: cute.Tensor,  # (n, k, L): B^T of the product, i.e. the second operand's rows
             mC: cute.Tensor,  # (n, n, L), read only when has_c
-            mD: cute.Tensor,  # (n, n, L) output
+            mD: cute.Tensor,  # (n, n, L) output, row-major
             tiles: cute.Tensor,  # (2, T(T+1)/2) int32: row/col of each lower tile, row-major
             num_ctas: cutlass.Int32,
             alpha: cutlass.Float32,
@@ -73,6 +93,7 @@ def _kernel_class() -> type:
             stream: Any,
         ):
             self.ab_dtype = mA.element_type
+            self.d_dtype = mD.element_type
             a_layout = utils.LayoutEnum.from_tensor(mA)
             b_layout = utils.LayoutEnum.from_tensor(mB)
             self.tiled_mma = sm90.make_trivial_tiled_mma(
@@ -85,8 +106,8 @@ def _kernel_class() -> type:
                 tiler_mn=(64, TILE),
             )
             tile_mnk = (TILE, TILE, TILE_K)
-            self.a_smem = sm90.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, STAGES)
-            self.b_smem = sm90.make_smem_layout_b(b_layout, tile_mnk, self.ab_dtype, STAGES)
+            self.a_smem = sm90.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, self.stages)
+            self.b_smem = sm90.make_smem_layout_b(b_layout, tile_mnk, self.ab_dtype, self.stages)
             tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                 mA,
@@ -99,21 +120,58 @@ def _kernel_class() -> type:
                 cute.slice_(self.b_smem, (None, None, 0)),
                 (TILE, TILE_K),
             )
-
-            @cute.struct
-            class Storage:
-                barriers: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
-                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem)], 1024]
-
-            self.storage = Storage
-            # D transposed: the same memory with the row and column strides swapped
+            # The epilogue's two shared-memory tiles: row-major for D at (i, j), column-major for
+            # D's transposed view at (i, j) (the same memory with the row and column strides
+            # swapped), whose TMA box is contiguous along the view's rows.
+            row, col = utils.LayoutEnum.ROW_MAJOR, utils.LayoutEnum.COL_MAJOR
+            self.d_smem = cute.slice_(sm90.make_smem_layout_epi(self.d_dtype, row, (TILE, TILE), 1), (None, None, 0))
+            self.dt_smem = cute.slice_(sm90.make_smem_layout_epi(self.d_dtype, col, (TILE, TILE), 1), (None, None, 0))
             mDT = cute.make_tensor(
                 mD.iterator,
                 cute.make_layout(mD.shape, stride=(mD.stride[1], mD.stride[0], mD.stride[2])),
             )
+            tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD, self.d_smem, (TILE, TILE)
+            )
+            tma_dt, tDT = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mDT, self.dt_smem, (TILE, TILE)
+            )
+            tma_c, tC = tma_d, tD  # unused without C
+            if cutlass.const_expr(self.has_c):
+                # C's tile comes into the row-major epilogue tile, which it shares with D's
+                tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mC, self.d_smem, (TILE, TILE)
+                )
+
+            @cute.struct
+            class Storage:
+                barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+                c_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem)], 1024]
+                sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem)], 1024]
+                sDT: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.dt_smem)], 1024]
+
+            self.storage = Storage
             self.kernel(
-                self.tiled_mma, self.a_smem, self.b_smem, tma_a, tA, tma_b, tB, mC, mD, mDT, tiles, alpha, beta
+                self.tiled_mma,
+                self.a_smem,
+                self.b_smem,
+                self.d_smem,
+                self.dt_smem,
+                tma_a,
+                tA,
+                tma_b,
+                tB,
+                tma_d,
+                tD,
+                tma_dt,
+                tDT,
+                tma_c,
+                tC,
+                tiles,
+                alpha,
+                beta,
             ).launch(
                 grid=(num_ctas, 1, 1),
                 block=(_THREADS, 1, 1),
@@ -127,13 +185,18 @@ def _kernel_class() -> type:
             tiled_mma: cute.TiledMma,
             a_smem: cute.ComposedLayout,
             b_smem: cute.ComposedLayout,
+            d_smem: cute.ComposedLayout,
+            dt_smem: cute.ComposedLayout,
             tma_a: cute.CopyAtom,
             tA: cute.Tensor,
             tma_b: cute.CopyAtom,
             tB: cute.Tensor,
-            mC: cute.Tensor,
-            mD: cute.Tensor,
-            mDT: cute.Tensor,
+            tma_d: cute.CopyAtom,
+            tD: cute.Tensor,
+            tma_dt: cute.CopyAtom,
+            tDT: cute.Tensor,
+            tma_c: cute.CopyAtom,
+            tC: cute.Tensor,
             tiles: cute.Tensor,
             alpha: cutlass.Float32,
             beta: cutlass.Float32,
@@ -146,6 +209,12 @@ def _kernel_class() -> type:
             if warp == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            if warp == _STORE_WARP:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_dt)
+            if cutlass.const_expr(self.has_c):
+                if warp == 0:
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
 
             smem = utils.SmemAllocator()
             st = smem.allocate(self.storage)
@@ -155,36 +224,49 @@ def _kernel_class() -> type:
             # consumers release a stage once per warp (8 warps)
             ring = pipeline.PipelineTmaAsync.create(
                 barrier_storage=st.barriers.data_ptr(),
-                num_stages=STAGES,
+                num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
                 tx_count=stage_bytes,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
+            # C's tile, one at a time: loaded by the producer once the epilogue tile is free (the
+            # previous tile's stores have read it: the store warp releases it in the mainloop)
+            c_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=st.c_barriers.data_ptr(),
+                num_stages=1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                tx_count=cute.size_in_bytes(self.d_dtype, d_smem),
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
             pipeline.pipeline_init_arrive()
             sA = st.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
             sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+            sD = st.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
+            sDT = st.sDT.get_tensor(dt_smem.outer, swizzle=dt_smem.inner)
 
-            # (TILE, TILE_K, tiles_n, tiles_k, L) views of the TMA tensors
-            gA = cute.local_tile(tA, (TILE, TILE_K), (None, None, None))
-            gB = cute.local_tile(tB, (TILE, TILE_K), (None, None, None))
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-            )
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
-            k_tiles = cute.size(gA, mode=[3])
+            # each TMA tensor as (TMA box, tile coordinates..., L) beside its shared-memory tile
+            tAsA, tAgA = _tma_tiles(tma_a, tA, sA, (TILE, TILE_K))
+            tBsB, tBgB = _tma_tiles(tma_b, tB, sB, (TILE, TILE_K))
+            tDsD, tDgD = _tma_tiles(tma_d, tD, sD, (TILE, TILE))
+            tTsT, tTgT = _tma_tiles(tma_dt, tDT, sDT, (TILE, TILE))
+            tCsC, tCgC = _tma_tiles(tma_c, tC, sD, (TILE, TILE))
+            k_tiles = cute.size(tAgA, mode=[2])
             per_batch = cute.size(tiles, mode=[1])
-            total = per_batch * cute.size(mD, mode=[2])
+            total = per_batch * cute.size(tDgD, mode=[3])
+            # the mainloop steps after which the store warp frees the epilogue tiles for C
+            c_split = cutlass.min(_C_FREE_KT, k_tiles)
             pipeline.pipeline_init_wait()
 
             if wg == 0:
                 # producer: one warp issues the TMA loads of every tile this CTA owns
                 cute.arch.setmaxregister_decrease(40)
                 if warp == 0:
-                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                    c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                     t = bidx
                     while t < total:
                         batch = t // per_batch
@@ -200,22 +282,57 @@ def _kernel_class() -> type:
                             cute.copy(tma_b, b_k[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                             ring.producer_commit(state)
                             state.advance()
+                        if cutlass.const_expr(self.has_c):
+                            c_pipe.producer_acquire(c_state)
+                            cute.copy(
+                                tma_c,
+                                tCgC[(None, ti, tj, batch)],
+                                tCsC,
+                                tma_bar_ptr=c_pipe.producer_get_barrier(c_state),
+                            )
+                            c_pipe.producer_commit(c_state)
+                            c_state.advance()
                         t += nblk
                     ring.producer_tail(state)
             else:
                 cute.arch.setmaxregister_increase(232)
-                thr_mma = tiled_mma.get_slice(tidx - 128)
+                mma_tidx = tidx - 128
+                thr_mma = tiled_mma.get_slice(mma_tidx)
                 tCsA = thr_mma.partition_A(sA)
                 tCsB = thr_mma.partition_B(sB)
                 tCrA = tiled_mma.make_fragment_A(tCsA)
                 tCrB = tiled_mma.make_fragment_B(tCsB)
                 k_blocks = cute.size(tCrA, mode=[2])
-                gD0 = cute.local_tile(mD, (TILE, TILE), (0, 0, 0))
-                acc = cute.make_rmem_tensor(thr_mma.partition_C(gD0).shape, self.acc_dtype)
-                out = cute.make_rmem_tensor(acc.shape, mD.element_type)
-                tCcD = thr_mma.partition_C(cute.make_identity_tensor((TILE, TILE)))  # (row, col) in a tile
-                read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+                tCsD = thr_mma.partition_C(sD)  # C's tile, in the accumulator's thread layout
+                acc = cute.make_rmem_tensor(tCsD.shape, self.acc_dtype)
+                out = cute.make_rmem_tensor(acc.shape, self.d_dtype)
+                c_in = cute.make_rmem_tensor(acc.shape, self.d_dtype)
+                # registers -> the two shared-memory tiles, in column strips of EPI_TILE: the
+                # accumulator's registers come in strip order (as CUTLASS's SM90 epilogue takes them)
+                row, col = utils.LayoutEnum.ROW_MAJOR, utils.LayoutEnum.COL_MAJOR
+                r2s_d = cute.make_tiled_copy_S(
+                    sm90.get_smem_store_op(row, self.d_dtype, self.acc_dtype),
+                    cute.make_tiled_copy_C_atom(
+                        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype), tiled_mma
+                    ),
+                ).get_slice(mma_tidx)
+                r2s_dt = cute.make_tiled_copy_S(
+                    sm90.get_smem_store_op(col, self.d_dtype, self.acc_dtype),
+                    cute.make_tiled_copy_C_atom(
+                        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.d_dtype), tiled_mma
+                    ),
+                ).get_slice(mma_tidx)
+                sD_strips = cute.flat_divide(sD, EPI_TILE)  # (EPI_M, EPI_N, 1, strips)
+                sDT_strips = cute.flat_divide(sDT, EPI_TILE)
+                strips = cute.size(sD_strips, mode=[3])
+                rs_out = r2s_d.retile(out)
+                strip_shape = r2s_d.partition_D(sD_strips[(None, None, 0, 0)]).shape
+                strip_regs = cute.make_rmem_tensor(cute.make_layout(strip_shape), self.d_dtype)
+                per_strip = cute.size(strip_regs)
+                read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                c_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+                c_free = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 t = bidx
                 while t < total:
                     batch = t // per_batch
@@ -225,20 +342,34 @@ def _kernel_class() -> type:
                     acc.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
-                    # keep one wgmma batch in flight: release stage s-1 after issuing stage s
-                    for kt in range(k_tiles):
-                        ring.consumer_wait(read)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            cute.gemm(
-                                tiled_mma,
-                                acc,
-                                tCrA[(None, None, kb, read.index)],
-                                tCrB[(None, None, kb, read.index)],
-                                acc,
-                            )
-                        cute.nvgpu.warpgroup.commit_group()
-                        read.advance()
-                        if kt > 0:
+                    # k-step 0 peeled; every later one releases the stage before the one it
+                    # issued (one wgmma batch in flight). No data-dependent branch inside the
+                    # k-loops: C's release point tested at every step cost ~20 ns a step. The
+                    # k-step is written out in the loop itself: CuteDSL carries the pipeline
+                    # states through a loop only when its body advances them (a helper that
+                    # advances them compiles to different code).
+                    ring.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        a_kb, b_kb = tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)]
+                        cute.gemm(tiled_mma, acc, a_kb, b_kb, acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read.advance()
+                    # with C the k-loop runs in two segments: between them the store warp
+                    # frees the epilogue tiles, the previous tile's stores having long been issued
+                    segments = ((1, c_split), (c_split, k_tiles)) if cutlass.const_expr(self.has_c) else ((1, k_tiles),)
+                    for segment, (lo, hi) in enumerate(segments):
+                        if segment == 1:
+                            if t != bidx and warp == _STORE_WARP:
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                                c_pipe.consumer_release(c_free)
+                                c_free.advance()
+                        for _kt in cutlass.range(lo, hi, unroll=1):
+                            ring.consumer_wait(read)
+                            for kb in cutlass.range_constexpr(k_blocks):
+                                a_kb, b_kb = tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)]
+                                cute.gemm(tiled_mma, acc, a_kb, b_kb, acc)
+                            cute.nvgpu.warpgroup.commit_group()
+                            read.advance()
                             cute.nvgpu.warpgroup.wait_group(1)
                             ring.consumer_release(release)
                             release.advance()
@@ -246,30 +377,47 @@ def _kernel_class() -> type:
                     ring.consumer_release(release)
                     release.advance()
 
-                    # epilogue: fp32 math, one rounding, two stores
-                    tCgD = thr_mma.partition_C(cute.local_tile(mD, (TILE, TILE), (ti, tj, batch)))
+                    # epilogue: fp32 math, one rounding, two shared-memory tiles, TMA stores
                     res = acc.load()
                     if cutlass.const_expr(self.has_c):
-                        tCgC = thr_mma.partition_C(cute.local_tile(mC, (TILE, TILE), (ti, tj, batch)))
-                        c_in = cute.make_rmem_tensor(acc.shape, mC.element_type)
-                        cute.autovec_copy(tCgC, c_in)
+                        c_pipe.consumer_wait(c_read)
+                        cute.autovec_copy(tCsD, c_in)
+                        c_read.advance()
                         res = alpha * res + beta * c_in.load().to(self.acc_dtype)
                     else:
                         res = alpha * res
-                    out.store(res.to(mD.element_type))
-                    tCgDT = thr_mma.partition_C(cute.local_tile(mDT, (TILE, TILE), (ti, tj, batch)))
-                    if ti != tj:
-                        cute.autovec_copy(out, tCgD)
-                        cute.autovec_copy(out, tCgDT)
-                    else:
-                        # a diagonal tile: its lower triangle in place and mirrored above the
-                        # diagonal, so the result is symmetric whatever the MMA's summation order
-                        for e in cutlass.range(cute.size(out), unroll_full=True):
-                            rc = tCcD[e]
-                            if rc[0] >= rc[1]:
-                                tCgD[e] = out[e]
-                                tCgDT[e] = out[e]
+                        # the previous tile's stores must have read the shared tiles
+                        if warp == _STORE_WARP:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    out.store(res.to(self.d_dtype))
+                    # every thread is done with C's tile and the previous stores with both tiles
+                    cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                    for strip in cutlass.range_constexpr(strips):
+                        for v in cutlass.range_constexpr(per_strip):
+                            strip_regs[v] = rs_out[strip * per_strip + v]
+                        cute.copy(r2s_d, strip_regs, r2s_d.partition_D(sD_strips[(None, None, 0, strip)]))
+                        cute.copy(r2s_dt, strip_regs, r2s_dt.partition_D(sDT_strips[(None, None, 0, strip)]))
+                    if ti == tj:
+                        # a diagonal tile: the upper triangle becomes the transpose of the
+                        # lower, whatever the MMA's summation order. sDT holds the tile too, so
+                        # sD's upper half is read from it: no element is read and written.
+                        cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                        for e in cutlass.range(TILE * TILE // _MMA_THREADS, unroll=8):
+                            idx = e * _MMA_THREADS + mma_tidx
+                            r = idx // TILE
+                            c = idx - r * TILE
+                            if r < c:
+                                sD[r, c] = sDT[c, r]
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                    if warp == _STORE_WARP:
+                        cute.copy(tma_d, tDsD, tDgD[(None, ti, tj, batch)])
+                        if ti != tj:
+                            cute.copy(tma_dt, tTsT, tTgT[(None, ti, tj, batch)])
+                        cute.arch.cp_async_bulk_commit_group()
                     t += nblk
+                if warp == _STORE_WARP:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     return SymGemmSm90
 
@@ -293,7 +441,7 @@ def _major(x: torch.Tensor) -> str | None:
 
 
 @functools.cache
-def _compiled(dtype_name: str, a_major: str, b_major: str, has_c: bool) -> Any:
+def _compiled(dtype_name: str, a_major: str, b_major: str, has_c: bool, stages: int = STAGES) -> Any:
     """Compile once per configuration; shapes and strides stay dynamic (symbolic)."""
     import cutlass
     import cutlass.cute as cute
@@ -316,7 +464,7 @@ def _compiled(dtype_name: str, a_major: str, b_major: str, has_c: bool) -> Any:
         dtype, square, (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)), assumed_align=16
     )
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
-    gemm = _kernel_class()(has_c)
+    gemm = _kernel_class()(has_c, stages)
     return cute.compile(
         gemm,
         operand(a_major),
@@ -369,7 +517,7 @@ def sym_gemm(
         c = c.contiguous().to(a.dtype)
     if out is None:
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
-    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c)
+    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, STAGES)
     side = n // TILE
     table = _tile_table(side, GROUP, a.device)
     ctas = min(num_sms(a.device), L * table.shape[1])

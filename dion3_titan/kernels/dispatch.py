@@ -16,14 +16,29 @@ from dion3_titan.kernels.backend import Backend
 BACKENDS: tuple[str, ...] = ("torch", "triton", "cute")
 PREFERENCES: tuple[str, ...] = ("auto",) + BACKENDS
 
-# Triton is the fastest backend or within a few percent of it on every measured Gram NS shape,
-# and our CuteDSL symmetric kernel is 3-20% slower than Triton's on every measured product
-# (docs/benchmarks.md, "Wide symmetric tiles"), so "auto" never picks CuteDSL (it stays
-# available as backend = "cute"). Below a Gram side of
-# TRITON_MIN_N an eager Triton launch costs more host time than cuBLAS and torch wins. The
-# measurements behind both choices: docs/benchmarks.md, "Orthogonalization" and "Backend crossover".
+# Below a Gram side of TRITON_MIN_N an eager Triton launch costs more host time than cuBLAS and
+# torch wins (docs/benchmarks.md, "Orthogonalization" and "Backend crossover"). From there on,
+# on a Hopper GPU with CuteDSL importable, a batch whose products run at a Gram side (padded to
+# whole tiles) in [CUTE_MIN_N, CUTE_MAX_N) runs its symmetric products in CuteDSL, where that
+# kernel measured faster than Triton's (1024 to 2048); from 2816 on Triton's wide tiles are
+# the faster ones (docs/benchmarks.md, "CuteDSL symmetric GEMM: epilogue through shared memory").
 TRITON_MIN_N = 512
+CUTE_MIN_N = 1024
+CUTE_MAX_N = 2816
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def prefers_cute(side: int) -> bool:
+    """Whether "auto" sends a batch whose products run at Gram side ``side`` (after the
+    backend's padding) to CuteDSL when CuteDSL can run (the measured table)."""
+    return CUTE_MIN_N <= side < CUTE_MAX_N
+
+
+@functools.cache
+def _cute_runs(device_index: int) -> bool:
+    from dion3_titan.kernels.cute_symm import is_available
+
+    return is_available() and torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 @functools.cache
@@ -50,7 +65,8 @@ def select_backend(
     """Backend for orthogonalizing a (batch, n, m) stack in ``dtype`` on ``device``.
 
     An explicit name is honoured as is. "auto": CPU or a dtype other than fp16/bf16 -> torch;
-    Triton from a Gram side of TRITON_MIN_N; otherwise torch (measurements above).
+    from a Gram side of TRITON_MIN_N, CuteDSL where ``prefers_cute`` and it can run, else
+    Triton; otherwise torch (measurements above).
     """
     if preference != "auto":
         if preference not in BACKENDS:
@@ -62,7 +78,11 @@ def select_backend(
     if device.type != "cuda" or dtype not in _HALF:
         return get_backend("torch")
     if side >= TRITON_MIN_N:
-        return get_backend("triton")
+        triton = get_backend("triton")  # its padding is CuteDSL's too (CuteOps extends TritonOps)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if prefers_cute(triton.gram_side(side)) and _cute_runs(index):
+            return get_backend("cute")
+        return triton
     return get_backend("torch")
 
 

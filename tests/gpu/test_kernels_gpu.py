@@ -283,3 +283,49 @@ def test_persistent_kernels_replay_from_a_cuda_graph(seed: int) -> None:
             err = _rel_err(out, ref)
             assert err < 2e-3, f"output {i}: relative error {err} (seed {seed})"
         assert all(torch.equal(o, o.mT) for o in outs[:3])
+
+
+def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(seed: int, monkeypatch) -> None:
+    """backend = "auto" on Hopper: a batch whose shape the measured table sends to CuteDSL
+    (dispatch.prefers_cute) is orthogonalized by the CuteDSL kernels inside the captured step.
+    The capture calls them (the replays call nothing on the host), and the replayed steps move
+    the weights exactly as eager steps with backend = "cute" do."""
+    if not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan import Dion3
+    from dion3_titan.kernels import cute_symm, dispatch
+    from dion3_titan.optim.cuda_graph import GraphedOptimizer
+
+    shape = (2048, 2048)  # fraction 1: one square 2048 x 2048 batch, standard NS
+    assert dispatch.prefers_cute(shape[0]), "the table no longer sends this shape to CuteDSL"
+    gen = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(*shape, generator=gen).cuda()
+    grads = [torch.randn(*shape, generator=gen).cuda() for _ in range(6)]
+    calls = {"cute": 0}
+    real = cute_symm.sym_gemm
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["cute"] += out is not None
+        return out
+
+    moved = {}
+    for backend, graphed in (("auto", True), ("cute", False)):
+        w = torch.nn.Parameter(w0.clone())
+        opt = Dion3([w], lr=0.02, fraction=1.0, ns_algorithm="auto", backend=backend, weight_decay=0.0)
+        runner = GraphedOptimizer(opt, warmup_steps=3) if graphed else opt
+        for i, g in enumerate(grads):
+            if graphed and i == 3:
+                monkeypatch.setattr(cute_symm, "sym_gemm", spy)  # the capturing step
+            if graphed and i == 4:
+                captured = calls["cute"]
+            w.grad = g.clone()
+            runner.step()
+        monkeypatch.undo()
+        if graphed:
+            assert runner.graph is not None, "the step was not captured"
+            assert captured > 0, "the captured step ran no CuteDSL kernel"
+            assert calls["cute"] == captured, "replays called kernels from the host"
+        torch.cuda.synchronize()
+        moved[backend] = w.detach().clone()
+    assert torch.equal(moved["auto"], moved["cute"]), f"replayed steps differ from eager CuteDSL steps (seed {seed})"
