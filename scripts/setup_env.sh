@@ -43,6 +43,11 @@ else
   "$PY" -m venv "$VENV"
   "$VENV"/bin/python -m pip install -q "${pins[@]}" --upgrade pip setuptools
   "$VENV"/bin/python -m pip install -q "${pins[@]}" torch==2.13.0 triton
+  if [[ $TITAN == 0.2 ]]; then
+    # CuteDSL, to compile our Hopper kernels without a GPU (tests/test_cute_compile.py). On a GPU
+    # machine it is the user's choice, with the CUDA build that matches the driver (README).
+    "$VENV"/bin/python -m pip install -q "${pins[@]}" nvidia-cutlass-dsl apache-tvm-ffi
+  fi
 fi
 "$VENV"/bin/python -m pip install -q "${pins[@]}" "torchtitan==$TORCHTITAN" tokenizers tomli datasets numpy \
   pytest pytest-timeout pytest-xdist ruff "${extras[@]}"

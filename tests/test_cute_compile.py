@@ -1,0 +1,90 @@
+"""The CuteDSL symmetric GEMM compiles, on a machine without a GPU, for every configuration
+``cute_symm.sym_gemm`` can ask for, and its PTX has the structure the kernel is built on.
+
+The kernel runs only on a Hopper GPU (tests/gpu checks its results there); compiling it needs
+no GPU (CuteDSL targets ``CUTE_DSL_ARCH=sm_90a`` from fake tensors), so a change that breaks it
+fails here, in CI, instead of on the next GPU run. The structure checked is what the kernel's
+speed rests on (kernels/cute_symm.py's docstring): wgmma tensor-core products, TMA loads
+into shared memory, an epilogue that writes each tile and its transpose through shared memory
+(``stmatrix`` and ``stmatrix.trans``) and leaves by TMA stores only, never by per-thread global
+stores, and the producer/consumer register split. CI installs CuteDSL (scripts/setup_env.sh on a
+machine without a GPU); elsewhere the test skips when it is missing, and fails under CI=true.
+"""
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every (dtype, A's major, B^T's major, with C) that sym_gemm compiles for.
+CONFIGS = list(itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True]))
+
+# Compiles each configuration in a fresh process (CuteDSL reads its environment at import) and
+# prints, per configuration, how often each instruction of interest appears in the PTX.
+COMPILE_ALL = r"""
+import json, re, sys
+from dion3_titan.kernels import cute_symm
+INSTRUCTIONS = {
+    "wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.(\w+)\.",
+    "tma_load": r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.",
+    "tma_store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.",
+    "stmatrix": r"stmatrix\.sync\.aligned\.m8n8\.x4\.b16",
+    "stmatrix_trans": r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans\.b16",
+    "global_store": r"\bst\.global\.",
+    "setmaxnreg": r"setmaxnreg\.(?:inc|dec)\.",
+}
+found = {}
+for dtype, a_major, b_major, has_c in json.loads(sys.argv[1]):
+    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c).artifacts.PTX
+    counts = {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
+    counts["wgmma_types"] = sorted(set(re.findall(INSTRUCTIONS["wgmma"], ptx)))
+    found[f"{dtype},{a_major},{b_major},{has_c}"] = counts
+print("PTX " + json.dumps(found))
+"""
+
+
+def _cute_dsl_installed() -> bool:
+    if importlib.util.find_spec("cutlass") is not None:
+        return True
+    if os.environ.get("CI") == "true":
+        pytest.fail("nvidia-cutlass-dsl is not installed under CI: scripts/setup_env.sh installs it without a GPU")
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cute_dsl_installed(), reason="nvidia-cutlass-dsl not installed")
+def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_path):
+    env = {
+        **os.environ,
+        "CUTE_DSL_ARCH": "sm_90a",  # compile for Hopper without one
+        "CUTE_DSL_KEEP": "ptx",  # keep the PTX on the compiled function
+        "CUTE_DSL_DUMP_DIR": str(tmp_path),  # where CuteDSL writes its copy of it
+        "CUTE_DSL_NO_CACHE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE_ALL, json.dumps(CONFIGS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, f"CuteDSL compile failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    line = next(x for x in run.stdout.splitlines() if x.startswith("PTX "))
+    found = json.loads(line[4:])
+    assert len(found) == len(CONFIGS)
+    for config, counts in found.items():
+        dtype = config.split(",")[0]
+        expect_type = {"Float16": "f16", "BFloat16": "bf16"}[dtype]
+        assert counts["wgmma_types"] == [expect_type], (config, counts)
+        for name in ("wgmma", "tma_load", "tma_store", "stmatrix", "stmatrix_trans", "setmaxnreg"):
+            assert counts[name] > 0, f"{config}: no {name} in the PTX ({counts})"
+        assert counts["global_store"] == 0, f"{config}: the epilogue stores to global memory per thread ({counts})"
