@@ -542,7 +542,7 @@ def _cpu_graphs(runner_of):
     table is written. Its body runs: that is the capture and the first replay in one
     (``GraphedOptimizer.step`` replays right after capturing, with nothing changed between). A
     later replay runs the captured body again reading what the graph would read: every
-    gradient at the tensor it was captured at (the runner's ``_grads``), except through the
+    gradient at the tensor it was captured at (``captured_gradients``), except through the
     accumulate pass's movable tables (the operands the capture made, as last flushed).
     ``runner_of()``: the GraphedOptimizer being captured. Returns the undo."""
     import contextlib
@@ -563,17 +563,18 @@ def _cpu_graphs(runner_of):
             self.replays += 1
             if self.replays == 1:
                 return  # the capture ran it
-            runner, moving = self.runner, self.runner._moving
-            made = iter(moving._operands)
-            now = [p.grad for p in runner._params]
-            for p, held in zip(runner._params, runner._grads):
+            runner, moving = self.runner, self.runner.moving_gradients
+            made = iter(moving.operands)
+            captured = runner.captured_gradients
+            now = [p.grad for p, _ in captured]
+            for p, held in captured:
                 p.grad = held
             moving.operand = lambda members, views, present: next(made)
             try:
                 runner.optimizer.step_body(moving)
             finally:
                 del moving.operand
-                for p, g in zip(runner._params, now):
+                for (p, _), g in zip(captured, now):
                     p.grad = g
             assert next(made, None) is None, "the replay launched fewer accumulate passes than captured"
 
@@ -581,7 +582,7 @@ def _cpu_graphs(runner_of):
         # a real capture launches nothing, so the table may be written after it (flush); this
         # one runs the launch: it gets the table's first rows where it is made
         op = make(self, *args)
-        op.table.copy_(torch.tensor(op._rows, dtype=torch.int64))
+        op.table.copy_(op.host_table())
         return op
 
     @contextlib.contextmanager
@@ -660,10 +661,10 @@ def _replay_checks() -> list[dict]:
                         if graphed and runner.graph is not None:
                             copied.append(runner.copied_grads)
                             if tables is None:
-                                tables = [op.table.clone() for op in runner._moving._operands]
-                                covered = all(runner._moving.covers(prm) for prm in params[:-1])
+                                tables = [op.table.clone() for op in runner.moving_gradients.operands]
+                                covered = all(runner.moving_gradients.covers(prm) for prm in params[:-1])
                     if graphed:
-                        ops = runner._moving._operands
+                        ops = runner.moving_gradients.operands
                         kept = all(torch.equal(a, op.table) for a, op in zip(tables, ops))
                         runner.release()
                 except Exception as exc:  # noqa: BLE001  (reported as the check's failure)

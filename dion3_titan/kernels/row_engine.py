@@ -223,6 +223,10 @@ class MovableOperand:
     def operand(self) -> Operand:
         return Operand(self.base, self.table, self.layout, self.align)
 
+    def host_table(self) -> torch.Tensor:
+        """The table as the next ``flush`` writes it (int64, on the host)."""
+        return torch.tensor(self._rows, dtype=torch.int64, device="cpu")
+
     def can_move(self, index: int, delta_bytes: int) -> bool:
         """Whether view ``index`` (present) may lie ``delta_bytes`` from where it was built."""
         return self._spans[index] is not None and delta_bytes % (self.base.element_size() * self.align) == 0
@@ -244,7 +248,7 @@ class MovableOperand:
         if self._dirty:
             if _capturing(self.table.device):
                 raise RuntimeError("row engine: a movable operand's table is written outside CUDA-graph captures")
-            host = torch.tensor(self._rows, dtype=torch.int64, device="cpu")
+            host = self.host_table()
             self.table.copy_(host.pin_memory() if self.table.is_cuda else host, non_blocking=True)
             self._dirty = False
 

@@ -138,6 +138,17 @@ class GraphedOptimizer:
         guard.issued()
         return None
 
+    @property
+    def captured_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, the local gradient tensor the graph reads for it) of the captured step;
+        empty before a capture."""
+        return list(zip(self._params, self._grads))
+
+    @property
+    def moving_gradients(self) -> MovingGradients | None:
+        """The captured accumulate pass's movable gradient tables; None before a capture."""
+        return self._moving
+
     def use_gradient_norm(self, norm: torch.Tensor) -> None:
         """The next step's gradients have total norm ``norm`` (``Dion3.use_gradient_norm``);
         copied before the replay into the buffer the captured step reads."""

@@ -57,6 +57,11 @@ class MovingGradients:
                 self._uses.setdefault(id(m.param), []).append((op, i))
         return op
 
+    @property
+    def operands(self) -> tuple[MovableOperand, ...]:
+        """The operands made so far, in the order the step's accumulate launches made them."""
+        return tuple(self._operands)
+
     def covers(self, param: torch.Tensor) -> bool:
         """Whether the captured step reads ``param``'s gradient through movable tables."""
         return id(param) in self._uses

@@ -439,7 +439,7 @@ def _no_norm_run(params, graphed: bool, steps: int, spread: bool):
         if graphed and runner.graph is not None:
             copied.append(runner.copied_grads)
             if covered is None:
-                covered = all(runner._moving.covers(p) for p in params[:-1])
+                covered = all(runner.moving_gradients.covers(p) for p in params[:-1])
     torch.cuda.synchronize()
     skipped = opt.skipped_steps
     if graphed:
