@@ -27,16 +27,17 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = list(itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True]))
 
 # Compiles each configuration in a fresh process (CuteDSL reads its environment at import) and
-# prints, per configuration, how often each instruction of interest appears in the PTX.
+# prints, per configuration, how often each instruction of interest appears in the PTX (the
+# patterns accept the spellings of CuteDSL 4.5 and 4.8, whose PTX names state spaces differently).
 COMPILE_ALL = r"""
 import json, re, sys
 from dion3_titan.kernels import cute_symm
 INSTRUCTIONS = {
     "wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.(\w+)\.",
-    "tma_load": r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.",
+    "tma_load": r"cp\.async\.bulk\.tensor\.\dd\.shared::(?:cluster|cta)\.global\.",
     "tma_store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.",
-    "stmatrix": r"stmatrix\.sync\.aligned\.m8n8\.x4\.b16",
-    "stmatrix_trans": r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans\.b16",
+    "stmatrix": r"stmatrix\.sync\.aligned\.m8n8\.x4\.(?:shared\.)?b16",
+    "stmatrix_trans": r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans\.(?:shared\.)?b16",
     "global_store": r"\bst\.global\.",
     "setmaxnreg": r"setmaxnreg\.(?:inc|dec)\.",
 }
