@@ -517,6 +517,7 @@ def sym_gemm(
         c = c.contiguous().to(a.dtype)
     if out is None:
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
+    # STAGES read here, not bound as a default: scripts/bench_sym_ab.py --cute-variants switches it
     fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, STAGES)
     side = n // TILE
     table = _tile_table(side, GROUP, a.device)
