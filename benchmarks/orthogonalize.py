@@ -16,13 +16,14 @@ A table is printed at the end; with $OUT set, everything is also written to
 $OUT/bench_orthogonalize.json.
 
     python scripts/bench_orthogonalize.py [--sweep] [--budget-s 150] [--skip-anchor]
-        [--shapes 32x2048x2048,16x2752x4096] [--variants cublas_mm_add,sym_4warps]
+        [--shapes 32x2048x2048,16x2752x4096] [--variants cublas_mm_add,sym_4warps] [--rounds 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -97,6 +98,38 @@ def shape_rate(batch: int, n: int, m: int) -> float:
     return 2 * batch * n * n * m / bench(lambda: torch.bmm(a, b)) / 1e9
 
 
+def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anchor) -> None:
+    """Per shape, what ``ns_algorithm = "auto"`` runs on each kernel backend, and the anchor,
+    timed ``rounds`` times in alternating order (A B C, C B A, ...); each row gets the medians
+    and every timing under "interleaved", and its backends' and the chosen one's ratio to the
+    anchor from those medians. One column's single timing drifts by up to 5-10% over a call on
+    these cards, more than the differences "auto"'s table is chosen from."""
+    for row in rows:
+        batch, n, m = (int(v) for v in row["shape"].split("x"))
+        x = torch.randn(batch, n, m, device="cuda", dtype=torch.bfloat16)
+        fns = {name: (lambda be=be, x=x: orthogonalize(x, auto, be)) for name, be in ops.items() if name != "torch"}
+        if anchor is not None and "gram_newton_schulz" in row:
+            fns["anchor"] = lambda x=x: anchor(x)
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for r in range(rounds):
+            for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+                times[name].append(bench(fns[name]))
+        medians = {name: statistics.median(ts) for name, ts in times.items()}
+        row["interleaved"] = {"rounds": rounds, "median": medians, "all": times}
+        chosen = row.get("auto_backend")
+        if "anchor" in medians:
+            for name in medians:
+                if name != "anchor":
+                    row["interleaved"][f"{name}_vs_anchor"] = medians[name] / medians["anchor"]
+        if chosen in medians:
+            row["interleaved"]["auto"] = medians[chosen]
+            row["interleaved"]["fraction_of_dense"] = row["floor_ms"] / medians[chosen]
+        spread = {name: f"{min(ts):.2f}-{max(ts):.2f}" for name, ts in times.items()}
+        print("interleaved", row["shape"], json.dumps(medians), "range", json.dumps(spread), flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
 class switched:
     """Context manager: the module attributes of one VARIANTS entry set, then restored."""
 
@@ -151,6 +184,13 @@ def main() -> None:
     parser.add_argument("--shapes", default=SHAPES, help="comma-separated BxNxM")
     parser.add_argument("--variants", default="", help=f"comma-separated, of {sorted(VARIANTS)}")
     parser.add_argument("--no-ns5", action="store_true", help="skip plain Muon NS5")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="then time what 'auto' runs on each backend and the anchor again, this many rounds in "
+        "alternating order (medians: a card's drift weighs on every column alike)",
+    )
     args = parser.parse_args()
     start = time.time()
     torch.manual_seed(0)
@@ -272,6 +312,8 @@ def main() -> None:
         print("anchor", row["shape"], row["gram_newton_schulz"])
         del x
     result["orthogonalize"] = ns_rows
+    if args.rounds and "triton" in ops:
+        interleaved(ns_rows, args.rounds, auto, ops, anchor)
 
     # ---- small shapes: where a kernel backend starts to pay (dispatch.TRITON_MIN_N)
     cross_rows = []

@@ -77,9 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--gram-algorithm",
-        default="gram",
+        default="auto",
         choices=["gram", "auto"],
-        help="'auto' runs standard NS on square matrices (the paper's fallback)",
+        help="ns_algorithm of the '+ Gram NS' rows and after: 'auto' (the optimizer's default) runs "
+        "standard NS on square matrices, 'gram' runs Gram NS on every batch",
     )
     p.add_argument("--steps", type=int, default=25, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (graph rows: at least 5)")

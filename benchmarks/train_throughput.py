@@ -36,7 +36,14 @@ step over the median step time), step ms with its quartiles, optimizer ms and th
 share (median over steps of optimizer ms / step ms), and the loss of the first and last steps
 (the loss must fall).
 
+The whole step's time drifts from run to run by more than the optimizers differ (a card's clocks
+and the host move over minutes), so ``--rounds N`` runs the selection N times, every second
+round in reverse order (A B C, C B A, ...): a drift over the call then weighs on every run
+alike. A second table pools each run's timed steps over its rounds (tokens/s from the median of
+all of them) and gives each run's tokens/s as a share of AdamW's.
+
     python scripts/bench_train.py --out results/          # one GPU: 7 runs
+    python scripts/bench_train.py --only adamw,dion3_f1/8 --rounds 2   # ABBA: adamw, f1/8, f1/8, adamw
     python scripts/bench_train.py --tiny                  # CPU smoke test: tiny model, 4 steps
 
 A Markdown table goes to stdout; JSON (bench_train_<model>.json) to ``--out`` (a folder or a
@@ -104,6 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="first steps left out of the statistics")
     p.add_argument("--corpus", choices=("small", "large"), default="large", help="offline corpus (and its tokenizer)")
     p.add_argument("--only", help="comma-separated run names: " + ",".join(r.name for r in RUNS))
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run the selection this many times, every second round reversed"
+    )
     p.add_argument("--timeout-s", type=float, default=300, help="per run")
     p.add_argument("--out", help="folder or .json file for the JSON (default $OUT)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, seq 64, batch 2, 4 steps")
@@ -112,6 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.model, a.seq_len, a.batch, a.steps, a.warmup, a.corpus = "tiny", 64, 2, 4, 2, "small"
     if not 0 <= a.warmup < a.steps:
         p.error(f"--warmup must be in [0, --steps), got {a.warmup} with --steps {a.steps}")
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
     return a
 
 
@@ -253,8 +265,57 @@ def log_tail(log: Path, lines: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def run_one(run: Run, args: argparse.Namespace, corpus: Path, folder: Path, on_gpu: bool) -> dict:
-    dump = folder / run.name.replace("/", "_")
+def schedule(runs: list[Run], rounds: int) -> list[tuple[int, Run]]:
+    """(round, run) in the order they run: the selection, then reversed, and so on."""
+    return [(r, run) for r in range(rounds) for run in (runs if r % 2 == 0 else runs[::-1])]
+
+
+def pooled(rows: list[dict], warmup: int) -> list[dict]:
+    """One row per run name over its finished rounds: tokens/s from the median of every timed
+    step of every round, the median optimizer ms, and tokens/s as a share of AdamW's (None
+    without an AdamW row)."""
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    out = []
+    for name in names:
+        done = [r for r in rows if r["name"] == name and r["status"] == "ok"]
+        if not done:
+            continue
+        steps = [s for r in done for s in r["record"]["steps"][warmup:]]
+        step_ms = statistics.median(s["step_ms"] for s in steps)
+        out.append(
+            {
+                "name": name,
+                "label": done[0]["label"],
+                "rounds": len(done),
+                "tokens_per_s": done[0]["record"]["tokens_per_step"] / (step_ms / 1e3),
+                "step_ms": step_ms,
+                "optimizer_ms": statistics.median(s["optimizer_ms"] for s in steps),
+                "tokens_per_s_each_round": [r["tokens_per_s"] for r in done],
+            }
+        )
+    adamw = next((p["tokens_per_s"] for p in out if p["name"] == "adamw"), None)
+    for p in out:
+        p["vs_adamw"] = None if adamw is None else p["tokens_per_s"] / adamw
+    return out
+
+
+def pooled_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| Optimizer | rounds | tokens/s (each round) | step ms | optimizer ms | tokens/s ÷ AdamW's |",
+        "|---|--:|--:|--:|--:|--:|",
+    ]
+    for p in rows:
+        each = ", ".join(f"{t:.0f}" for t in p["tokens_per_s_each_round"])
+        share = "" if p["vs_adamw"] is None else f"{100 * p['vs_adamw']:.1f}%"
+        lines.append(
+            f"| {p['label']} | {p['rounds']} | {p['tokens_per_s']:.0f} ({each}) | {p['step_ms']:.1f} | "
+            f"{p['optimizer_ms']:.2f} | {share} |"
+        )
+    return "\n".join(lines)
+
+
+def run_one(run: Run, args: argparse.Namespace, corpus: Path, folder: Path, on_gpu: bool, round_: int = 0) -> dict:
+    dump = folder / (run.name.replace("/", "_") + (f"_round{round_}" if args.rounds > 1 else ""))
     dump.mkdir(parents=True, exist_ok=True)
     (dump / RECORD).unlink(missing_ok=True)  # never report an earlier run's record
     config, cfg = dump / "config.toml", job_config(run, args, corpus, dump, on_gpu)
@@ -266,9 +327,16 @@ def run_one(run: Run, args: argparse.Namespace, corpus: Path, folder: Path, on_g
     if rc != 0 or not record_path.exists():
         why = "timed out" if rc == 124 else f"exit code {rc}"
         print(f"   FAILED ({why}); last lines of its log:\n{log_tail(log)}", flush=True)
-        return {"name": run.name, "label": run.label, "status": f"failed: {why}", "wall_s": wall, "config": cfg}
+        return {
+            "name": run.name,
+            "label": run.label,
+            "round": round_,
+            "status": f"failed: {why}",
+            "wall_s": wall,
+            "config": cfg,
+        }
     row = summarize(run, json.loads(record_path.read_text()), args.warmup)
-    row.update(wall_s=wall, config=cfg)
+    row.update(round=round_, wall_s=wall, config=cfg)
     print(
         f"   {row['tokens_per_s']:.0f} tokens/s, step {row['step_ms']:.1f} ms, loss {row['first_loss']:.3f} -> "
         f"{row['final_loss']:.3f}, {wall:.0f} s{'' if row['status'] == 'ok' else ' ' + row['status'].upper()}",
@@ -290,13 +358,14 @@ def markdown(rows: list[dict], memory: str) -> str:
     )
     lines = [head, "|---|:-:|:-:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
+        label = r["label"] + (f" (round {r['round'] + 1})" if r.get("round") else "")
         if "step_ms" not in r:  # the run did not finish
-            lines.append(f"| {r['label']} | | | {r['status']} | | | | | | |")
+            lines.append(f"| {label} | | | {r['status']} | | | | | | |")
             continue
         iqr = f"{fmt(r['step_ms'], '.1f', 0)} ({r['step_ms_iqr'][0]:.1f}-{r['step_ms_iqr'][1]:.1f})"
         tokens = fmt(r["tokens_per_s"], ".0f", 0) if r["status"] == "ok" else r["status"]
         lines.append(
-            f"| {r['label']} | {'yes' if r['compiled'] else ''} | {graph_cell(r)} | {tokens} | {iqr} | "
+            f"| {label} | {'yes' if r['compiled'] else ''} | {graph_cell(r)} | {tokens} | {iqr} | "
             f"{fmt(r['optimizer_ms'], '.2f', 0)} | {fmt(100 * r['optimizer_share'], '.1f', 0)}% | "
             f"{fmt(r['peak_gb'], '.1f', 0)} | {fmt(r['first_loss'], '.3f', 0)} | {fmt(r['final_loss'], '.3f', 0)} |"
         )
@@ -312,6 +381,7 @@ def meta(args: argparse.Namespace, corpus: Path, on_gpu: bool) -> dict:
         "local_batch_size": args.batch,
         "steps": args.steps,
         "warmup_steps_untimed": args.warmup,
+        "rounds": args.rounds,
         "warmup_covers": "kernel compilation, the optimizer graph's eager steps and capture, and torch.compile "
         "(+compile rows; compilations are counted per step and must all fall in the warm-up)",
         "compile_components": COMPILE_COMPONENTS,
@@ -335,9 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     corpus = ensure_corpus(args.corpus)
     out = output_path(args.out, f"bench_train_{args.model}.json")
     folder = ROOT / "outputs" / "bench_train"  # configs, logs, records; the JSON has what matters
-    data = {"meta": meta(args, corpus, on_gpu), "results": []}
-    for run in runs:
-        data["results"].append(run_one(run, args, corpus, folder, on_gpu))
+    data = {"meta": meta(args, corpus, on_gpu), "results": [], "pooled": []}
+    for round_, run in schedule(runs, args.rounds):
+        data["results"].append(run_one(run, args, corpus, folder, on_gpu, round_))
+        data["pooled"] = pooled(data["results"], args.warmup)
         write_json(out, data)
     m = data["meta"]
     print(
@@ -345,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{m['precision']} | median of {args.steps - args.warmup} steps after {args.warmup}\n"
     )
     print(markdown(data["results"], "peak GPU" if on_gpu else "peak RSS"))
+    print(f"\nPooled over {args.rounds} round(s), in the order run:\n")
+    print(pooled_markdown(data["pooled"]))
     if out:
         print(f"\nJSON: {out}")
     return 0 if all(r["status"] == "ok" for r in data["results"]) else 1

@@ -6,6 +6,7 @@ with positive numbers and finite losses; the compiled row compiles in its warm-u
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,51 @@ def test_only_picks_runs_and_default_is_all() -> None:
     assert [r.name for r in picked] == ["adamw+compile", "dion3_f1/4+compile"] and all(r.compile for r in picked)
     with pytest.raises(SystemExit, match="unknown run"):
         bench.selected_runs("adamw,dion3+compile")
+
+
+def test_rounds_alternate_their_order_and_pool_every_timed_step() -> None:
+    """--rounds: A B, B A, A B; the pooled row takes the median over every timed step of every
+    round of a run, and its share of AdamW's tokens/s from those medians."""
+    runs = bench.selected_runs("adamw,dion3_f1/8")
+    order = [(r, run.name) for r, run in bench.schedule(runs, 3)]
+    assert order == [
+        (0, "adamw"),
+        (0, "dion3_f1/8"),
+        (1, "dion3_f1/8"),
+        (1, "adamw"),
+        (2, "adamw"),
+        (2, "dion3_f1/8"),
+    ]
+    assert bench.parse_args(["--rounds", "2"]).rounds == 2
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
+
+    def row(name: str, step_ms: list[float], status: str = "ok") -> dict:
+        steps = [{"step_ms": 99.0, "optimizer_ms": 9.0}] + [{"step_ms": t, "optimizer_ms": t / 10} for t in step_ms]
+        return {
+            "name": name,
+            "label": name,
+            "status": status,
+            "tokens_per_s": 1000 / (statistics.median(step_ms) / 1e3),
+            "record": {"tokens_per_step": 1000, "steps": steps},
+        }
+
+    rows = [
+        row("adamw", [100.0, 104.0]),
+        row("dion3_f1/8", [101.0, 103.0]),
+        row("dion3_f1/8", [110.0, 112.0]),
+        row("adamw", [108.0, 120.0]),
+        row("dion3_f1/8", [1.0], status="failed: exit code 1"),  # left out of the pool
+    ]
+    pool = {p["name"]: p for p in bench.pooled(rows, warmup=1)}
+    assert pool["adamw"]["rounds"] == 2 and pool["dion3_f1/8"]["rounds"] == 2
+    assert pool["adamw"]["step_ms"] == statistics.median([100.0, 104.0, 108.0, 120.0]) == 106.0
+    assert pool["dion3_f1/8"]["step_ms"] == statistics.median([101.0, 103.0, 110.0, 112.0]) == 106.5
+    assert pool["adamw"]["tokens_per_s"] == pytest.approx(1000 / 0.106)
+    assert pool["dion3_f1/8"]["vs_adamw"] == pytest.approx(106.0 / 106.5)
+    assert pool["adamw"]["vs_adamw"] == 1.0
+    assert pool["dion3_f1/8"]["tokens_per_s_each_round"] == [rows[1]["tokens_per_s"], rows[2]["tokens_per_s"]]
+    assert pool["dion3_f1/8"]["optimizer_ms"] == pytest.approx(statistics.median([10.1, 10.3, 11.0, 11.2]))
+    assert all(p["vs_adamw"] is None for p in bench.pooled(rows[1:3], warmup=1))
+    table = bench.pooled_markdown(list(pool.values()))
+    assert "| dion3_f1/8 | 2 | 9390 (9804, 9009) | 106.5 | 10.65 | 99.5% |" in table
