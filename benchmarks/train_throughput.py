@@ -42,6 +42,10 @@ round in reverse order (A B C, C B A, ...): a drift over the call then weighs on
 alike. A second table pools each run's timed steps over its rounds (tokens/s from the median of
 all of them) and gives each run's tokens/s as a share of AdamW's.
 
+Controls, run only when ``--only`` names them (``CONTROL_RUNS``): AdamW and Dion3 f = 1/8 at
+lr 0, which keep the weights they started from, so the two differ in the optimizer alone (an
+lr-0 run's share is of AdamW's at lr 0); and Dion3 f = 1/8 without the CUDA graph.
+
     python scripts/bench_train.py --out results/          # one GPU: 7 runs
     python scripts/bench_train.py --only adamw,dion3_f1/8 --rounds 2   # ABBA: adamw, f1/8, f1/8, adamw
     python scripts/bench_train.py --tiny                  # CPU smoke test: tiny model, 4 steps
@@ -99,6 +103,16 @@ RUNS = [
     Run("adamw+compile", "AdamW (torchtitan's), compiled", "adamw", compile=True),
     Run("dion3_f1/4+compile", "Dion3 f = 1/4 (NorMuon), compiled", "dion3", {"fraction": 0.25}, compile=True),
 ]
+# Controls that --only selects (no default run includes them): what a step costs apart from the
+# optimizer. At lr 0 every run keeps the weights it started from (the same seed), so two such
+# runs differ in the optimizer's work and machinery alone, not in the weights they train.
+CONTROL_RUNS = [
+    Run("adamw+lr0", "AdamW (torchtitan's), lr 0", "adamw", {"lr": 0.0}),
+    Run("dion3_f1/8+lr0", "Dion3 f = 1/8 (NorMuon), lr 0", "dion3", {"fraction": 0.125, "lr": 0.0, "adamw_lr": 0.0}),
+    Run(
+        "dion3_f1/8+eager", "Dion3 f = 1/8 (NorMuon), no CUDA graph", "dion3", {"fraction": 0.125, "cuda_graph": False}
+    ),
+]
 COMPILE_COMPONENTS = ["model", "loss"]  # torchtitan's [compile] components of the "+compile" rows
 
 
@@ -110,7 +124,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10, help="first steps left out of the statistics")
     p.add_argument("--corpus", choices=("small", "large"), default="large", help="offline corpus (and its tokenizer)")
-    p.add_argument("--only", help="comma-separated run names: " + ",".join(r.name for r in RUNS))
+    p.add_argument(
+        "--only",
+        help="comma-separated run names: "
+        + ",".join(r.name for r in RUNS + CONTROL_RUNS)
+        + " (default: all but the controls)",
+    )
     p.add_argument(
         "--rounds", type=int, default=1, help="run the selection this many times, every second round reversed"
     )
@@ -131,10 +150,11 @@ def selected_runs(only: str | None) -> list[Run]:
     if not only:
         return list(RUNS)
     names = only.split(",")
-    unknown = set(names) - {r.name for r in RUNS}
+    known = RUNS + CONTROL_RUNS
+    unknown = set(names) - {r.name for r in known}
     if unknown:
-        raise SystemExit(f"--only: unknown run(s) {sorted(unknown)}; known: {[r.name for r in RUNS]}")
-    return [r for r in RUNS if r.name in names]
+        raise SystemExit(f"--only: unknown run(s) {sorted(unknown)}; known: {[r.name for r in known]}")
+    return [r for r in known if r.name in names]
 
 
 def ensure_corpus(size: str) -> Path:
@@ -272,8 +292,8 @@ def schedule(runs: list[Run], rounds: int) -> list[tuple[int, Run]]:
 
 def pooled(rows: list[dict], warmup: int) -> list[dict]:
     """One row per run name over its finished rounds: tokens/s from the median of every timed
-    step of every round, the median optimizer ms, and tokens/s as a share of AdamW's (None
-    without an AdamW row)."""
+    step of every round, the median optimizer ms, and tokens/s as a share of its AdamW run's
+    (``adamw_of``; None without that row)."""
     names = list(dict.fromkeys(r["name"] for r in rows))
     out = []
     for name in names:
@@ -293,10 +313,16 @@ def pooled(rows: list[dict], warmup: int) -> list[dict]:
                 "tokens_per_s_each_round": [r["tokens_per_s"] for r in done],
             }
         )
-    adamw = next((p["tokens_per_s"] for p in out if p["name"] == "adamw"), None)
+    speed = {p["name"]: p["tokens_per_s"] for p in out}
     for p in out:
+        adamw = speed.get(adamw_of(p["name"]))
         p["vs_adamw"] = None if adamw is None else p["tokens_per_s"] / adamw
     return out
+
+
+def adamw_of(name: str) -> str:
+    """The AdamW run a run's tokens/s is compared with: the lr-0 control for an lr-0 run."""
+    return "adamw+lr0" if name.endswith("+lr0") else "adamw"
 
 
 def pooled_markdown(rows: list[dict]) -> str:

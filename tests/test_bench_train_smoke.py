@@ -114,6 +114,16 @@ def test_only_picks_runs_and_default_is_all() -> None:
     assert [r.name for r in picked] == ["adamw+compile", "dion3_f1/4+compile"] and all(r.compile for r in picked)
     with pytest.raises(SystemExit, match="unknown run"):
         bench.selected_runs("adamw,dion3+compile")
+    # the controls run only when named, and change only what their name says
+    assert not {r.name for r in bench.CONTROL_RUNS} & set(names)
+    controls = bench.selected_runs("adamw+lr0,dion3_f1/8+lr0,dion3_f1/8+eager")
+    assert [r.name for r in controls] == ["adamw+lr0", "dion3_f1/8+lr0", "dion3_f1/8+eager"]
+    args = bench.parse_args(["--tiny"])
+    cfgs = {r.name: bench.job_config(r, args, Path("corpus"), Path("dump"), True)["optimizer"] for r in controls}
+    assert cfgs["adamw+lr0"]["lr"] == 0.0 and cfgs["adamw+lr0"]["name"] == "AdamW"
+    assert cfgs["dion3_f1/8+lr0"]["lr"] == 0.0 and cfgs["dion3_f1/8+lr0"]["adamw_lr"] == 0.0
+    assert cfgs["dion3_f1/8+lr0"]["fraction"] == 0.125 and "cuda_graph" not in cfgs["dion3_f1/8+lr0"]
+    assert cfgs["dion3_f1/8+eager"]["cuda_graph"] is False and cfgs["dion3_f1/8+eager"]["lr"] > 0
 
 
 def test_rounds_alternate_their_order_and_pool_every_timed_step() -> None:
@@ -160,5 +170,11 @@ def test_rounds_alternate_their_order_and_pool_every_timed_step() -> None:
     assert pool["dion3_f1/8"]["tokens_per_s_each_round"] == [rows[1]["tokens_per_s"], rows[2]["tokens_per_s"]]
     assert pool["dion3_f1/8"]["optimizer_ms"] == pytest.approx(statistics.median([10.1, 10.3, 11.0, 11.2]))
     assert all(p["vs_adamw"] is None for p in bench.pooled(rows[1:3], warmup=1))
+    # an lr-0 control is compared with AdamW at lr 0
+    controls = [{**r, "name": r["name"] + "+lr0"} for r in (rows[0], rows[2])]
+    assert {p["name"]: p["vs_adamw"] for p in bench.pooled(controls, warmup=1)} == {
+        "adamw+lr0": 1.0,
+        "dion3_f1/8+lr0": pytest.approx(102.0 / 111.0),
+    }
     table = bench.pooled_markdown(list(pool.values()))
     assert "| dion3_f1/8 | 2 | 9390 (9804, 9009) | 106.5 | 10.65 | 99.5% |" in table
