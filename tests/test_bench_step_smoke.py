@@ -64,9 +64,8 @@ def test_single_process_rows(single: Path) -> None:
         "dion3_f1/2",
         "dion3_f1/4",
     }
-    assert expected | {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"} == set(
-        rows
-    )
+    graph_rows = {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"}
+    assert expected | graph_rows | {"dion3_f1/4+graph+norm"} == set(rows)
     for r in rows.values():
         if r["graph"]:
             assert r["status"] == "unavailable", r
@@ -137,8 +136,11 @@ def test_graph_rows_with_a_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         def step(self) -> None:
             self.optimizer.step()
 
-        def release(self) -> None:
-            released.append(True)
+        def use_gradient_norm(self, norm) -> None:
+            self.optimizer.use_gradient_norm(norm)
+
+        def release(self) -> None:  # which flag source the steps took
+            released.append(self.optimizer.nonfinite.flag_sources)
 
     monkeypatch.setattr(bench, "graphed_optimizer_class", lambda: (StandIn, ""))
     monkeypatch.setattr(bench, "unavailable_reason", lambda cfg, device, note: "")
@@ -150,8 +152,11 @@ def test_graph_rows_with_a_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     finally:
         torch.set_num_threads(threads)
     _, rows = _rows(out)
-    assert rows["dion3_f1/4+graph"]["status"] == "ok" and rows["dion3_f1/4+graph"]["gpu_ms"] > 0
-    assert released == [True]
+    for name in ("dion3_f1/4+graph", "dion3_f1/4+graph+norm"):
+        assert rows[name]["status"] == "ok" and rows[name]["gpu_ms"] > 0
+    # in run order: the row without a norm made its own pass every step, the other never did
+    assert [s["gradient_norm"] > 0 for s in released] == [False, True], released
+    assert [s["own_pass"] > 0 for s in released] == [True, False], released
 
 
 @pytest.mark.parametrize("name", ["1b", "tiny"])

@@ -262,6 +262,25 @@ def test_checked_never_returns_nonfinite_for_inf_input(seed):
     assert torch.equal(out[0], orthogonalize(x[[0, 2]], settings, TorchOps())[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_row_sums_flag_the_same_matrices_as_the_max_pass(dtype, seed):
+    """The result check taken from the rows' float32 sums of squares (which NorMuon's epilogue
+    computes anyway) flags exactly the matrices the max-|x| pass flags: NaN, +-inf, and none
+    of the finite ones, fp16's largest value included."""
+    from dion3_titan.optim.nonfinite import nonfinite_matrices
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 16, 512, generator=g).to(dtype)
+    x[1, 3, 7] = float("nan")
+    x[2, 15, 511] = float("inf")
+    x[3, 0, 0] = float("-inf")
+    x[4] = torch.finfo(torch.float16).max  # every entry as large as fp16 holds: still finite
+    row_sq = x.float().square().sum(-1)
+    want = [False, True, True, True, False, False]
+    assert nonfinite_matrices(x).tolist() == want, f"seed {seed}"
+    assert nonfinite_matrices(x, row_sq).tolist() == want, f"seed {seed}"
+
+
 def test_polar_express_schedule_and_safety_factor():
     """Coefficient schedule: PE's per-step triples with p(x) -> p(x / 1.05); later steps repeat
     the last polynomial; Muon's quintic is constant."""

@@ -201,7 +201,7 @@ def _checks(seed: int) -> list[dict]:
     for K, C in [(12, 80), (7, 33), (1100, 8)]:  # 1100: more rows than one block of the factors kernel
         o = torch.randn(3, K, C).half()
         v = torch.rand(3, K)
-        den, scale, v_new = engine.normuon_factors(o, v, 0.95, 1e-8, C)
+        den, scale, v_new = engine.normuon_factors(engine.row_sumsq(o), v, 0.95, 1e-8, C)
         o_hat, v_ref = normuon_normalize(o, v, 0.95, 1e-8, C)
         got = (o.float() / den[..., None]) * scale[:, None, None]
         out.append({"check": "normuon", "case": f"{K}x{C}", "err": max(rel(got, o_hat), rel(v_new, v_ref))})
@@ -210,6 +210,7 @@ def _checks(seed: int) -> list[dict]:
     out += _launch_checks()
     out += _step_checks()
     out += _nonfinite_checks()
+    out += _ns_void_checks()
     return out
 
 
@@ -317,7 +318,9 @@ def _group_checks() -> list[dict]:
     # update + error feedback + NorMuon epilogue and row state + gates
     R, C, k = 29, 70, 6
     lr, decay, mu = torch.tensor(0.0173), torch.tensor(0.98), 0.95
-    for dtype in (torch.float32, torch.bfloat16):
+    # without weight decay (decay None) the launch walks the selected rows only (``rows``)
+    for dtype, decays in ((torch.float32, True), (torch.bfloat16, True), (torch.float32, False)):
+        decay_arg, decay_ref = (decay, decay) if decays else (None, torch.tensor(1.0))
         for layouts, batches in GROUPS:
             for mode in ("plain", "valid", "every", "normuon", "skip", "void"):
                 N, every = sum(batches), mode == "every"
@@ -350,7 +353,7 @@ def _group_checks() -> list[dict]:
                 for i, s in enumerate(spans(batches)):
                     if mode == "skip" or not active[i]:
                         continue
-                    _fused_update_reference(w_ref[i], applied[s], rows[s], lr * scales[i], decay)
+                    _fused_update_reference(w_ref[i], applied[s], rows[s], lr * scales[i], decay_ref)
                     factor = mu if valid is None else torch.where(valid[s], mu, 1.0).unsqueeze(-1)
                     idx = rows[s].unsqueeze(-1).expand(-1, -1, C)
                     m_ref[i].scatter_(1, idx, m_ref[i].gather(1, idx).mul_(factor))
@@ -358,17 +361,33 @@ def _group_checks() -> list[dict]:
                         old = v_ref[i].gather(1, rows[s])
                         new = v_new[s] if valid is None else torch.where(valid[s], v_new[s], old)
                         v_ref[i].scatter_(1, rows[s], new)
-                slot = None if every else engine.slots(rows, valid, R)
+                slot = None if every or not decays else engine.slots(rows, valid, R)
+                applied_rows = None if every or decays else engine.applied_rows(rows, valid)
                 row_state = None if v_new is None else rk.RowState(states, v_new)
                 ok = torch.tensor(mode != "skip")
                 rk.update_rows_group(
-                    ws, moms, upd, slot, lr, decay, mu, scales, den, scale, ok, void, row_state, active, cache
+                    ws,
+                    moms,
+                    upd,
+                    slot,
+                    lr,
+                    decay_arg,
+                    mu,
+                    scales,
+                    den,
+                    scale,
+                    ok,
+                    void,
+                    row_state,
+                    active,
+                    cache,
+                    rows=applied_rows,
                 )
                 same = [torch.equal(a, b) for a, b in zip(ws + moms + states, w_ref + m_ref + v_ref)]
                 out.append(
                     {
                         "check": "group_update",
-                        "case": f"{dtype},{layouts},{batches},k={kk},{mode}",
+                        "case": f"{dtype},{layouts},{batches},k={kk},{mode},decay={decays}",
                         "bitwise": all(same),
                     }
                 )
@@ -532,6 +551,54 @@ def _nonfinite_checks() -> list[dict]:
             )
     finally:
         engine.runs_on, engine.update = runs_on, update
+    return out
+
+
+def _ns_void_checks() -> list[dict]:
+    """A Newton-Schulz result that is not finite, under the engine: NorMuon's check comes from
+    the rows' sums of squares its epilogue reads, Muon's from its own pass; either way exactly
+    that matrix only decays, every other one moves as in a clean run, and it is counted."""
+    import torch
+
+    import dion3_titan.optim.dion3 as dion3_module
+    from dion3_titan import Dion3
+    from dion3_titan.optim import engine
+    from tests.test_dion3_core import NAMES, make_params, oriented
+    from tests.test_nonfinite import CORRUPTED, WIDE_SIDE, CorruptOneGram, _build, _run
+
+    out = []
+    runs_on, select = engine.runs_on, dion3_module.select_backend
+    engine.runs_on = lambda backend, p: True
+    try:
+        for flavor in ("normuon", "muon"):
+            opts = []
+            for backend in (None, CorruptOneGram(WIDE_SIDE, CORRUPTED, 1)):
+                dion3_module.select_backend = select if backend is None else (lambda *args, b=backend: b)
+                opt = _build(Dion3, "raise", fraction=1.0, ns_algorithm="gram", flavor=flavor)
+                _run(opt, 1, "eager", bad_step=-1)
+                opts.append(opt)
+            clean, corrupt = opts
+            start = dict(zip(NAMES, make_params(7)))
+            decay = 1 - 0.02 * 0.1  # lr' wd at f = 1
+            moved, unexplained = [], []
+            for name, p, q in zip(NAMES, corrupt.param_groups[0]["params"], clean.param_groups[0]["params"]):
+                for i, (a, b, a0) in enumerate(zip(oriented(p.detach()), oriented(q.detach()), oriented(start[name]))):
+                    if torch.equal(a, b):
+                        continue
+                    moved.append(f"{name}[{i}]")
+                    if not torch.allclose(a, a0.detach() * decay, rtol=1e-6, atol=0):
+                        unexplained.append(f"{name}[{i}]")
+            out.append(
+                {
+                    "check": "ns_void",
+                    "case": flavor,
+                    "events": corrupt.nonfinite_ns_events,
+                    "moved": moved,
+                    "unexplained": unexplained,
+                }
+            )
+    finally:
+        engine.runs_on, dion3_module.select_backend = runs_on, select
     return out
 
 
@@ -831,6 +898,13 @@ def test_captured_step_reads_new_gradient_tensors_with_and_without_a_norm(result
 
 def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:
     bad = [r for r in _of(results, "nonfinite") if not (r["ok"] and r["engine_used"])]
+    assert not bad, bad
+
+
+def test_engine_drops_a_nonfinite_ns_result(results) -> None:
+    found = _of(results, "ns_void")
+    assert {r["case"] for r in found} == {"normuon", "muon"}
+    bad = [r for r in found if not (r["events"] == 1 and len(r["moved"]) == 1 and not r["unexplained"])]
     assert not bad, bad
 
 

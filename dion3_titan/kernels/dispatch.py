@@ -16,13 +16,16 @@ from dion3_titan.kernels.backend import Backend
 BACKENDS: tuple[str, ...] = ("torch", "triton", "cute")
 PREFERENCES: tuple[str, ...] = ("auto",) + BACKENDS
 
-# Below a Gram side of TRITON_MIN_N an eager Triton launch costs more host time than cuBLAS and
-# torch wins (docs/benchmarks.md, "Orthogonalization" and "Backend crossover"). From there on,
+# Below a Gram side of TRITON_MIN_N torch wins: an eager Triton launch used to cost more host
+# time than cuBLAS's. Since the launch cache (kernels/launch.py) Triton wins from 256 on both in
+# a captured step (Gram NS on 32x256x2048: 0.20 ms against torch's 0.66, which mirrors every
+# product's triangle in extra launches) and eager (llama3-1B shapes: 18.4 host ms per step
+# against 19.8) (docs/benchmarks.md, "Backend crossover" and "Small Gram sides"). From there on,
 # on a Hopper GPU with CuteDSL importable, a batch whose products run at a Gram side (padded to
 # whole tiles) in [CUTE_MIN_N, CUTE_MAX_N) runs its symmetric products in CuteDSL, where that
 # kernel measured faster than Triton's (1024 to 2048); from 2816 on Triton's wide tiles are
 # the faster ones (docs/benchmarks.md, "CuteDSL symmetric GEMM: epilogue through shared memory").
-TRITON_MIN_N = 512
+TRITON_MIN_N = 256
 CUTE_MIN_N = 1024
 CUTE_MAX_N = 2816
 _HALF = (torch.float16, torch.bfloat16)

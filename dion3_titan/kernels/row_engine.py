@@ -650,6 +650,7 @@ def _update_rows_kernel(
     void_ptr,
     mu,
     num_rows,
+    num_slots,
     num_cols,
     s_ub,
     s_uk,
@@ -665,6 +666,7 @@ def _update_rows_kernel(
     M_LAYOUT: tl.constexpr,
     M_ALIGN: tl.constexpr,
     EVERY: tl.constexpr,
+    BY_SLOT: tl.constexpr,
     NORMUON: tl.constexpr,
     HAS_OK: tl.constexpr,
     HAS_VOID: tl.constexpr,
@@ -677,14 +679,21 @@ def _update_rows_kernel(
     INTERPRET: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)  # the matrix
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     w_off, w_sr, w_sc, active = _view(w_tab, n, W_LAYOUT, W_ALIGN)
-    row_ok = (rows < num_rows) & _per_row(active, BLOCK_R)  # an inactive matrix is left as it is
-    if EVERY:
-        slot = rows
-    else:  # slot[n, r]: position of row r among the selected rows, -1 if not selected
-        slot = tl.load(slot_ptr + n * s_sb + rows * s_sr, mask=row_ok, other=-1)
+    if BY_SLOT:  # the programs walk the selected rows: slot_ptr[n, s] is slot s's row (-1: none)
+        slot = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_k = (slot < num_slots) & _per_row(active, BLOCK_R)
+        picked = tl.load(slot_ptr + n * s_sb + slot * s_sr, mask=in_k, other=-1)
+        row_ok = in_k & (picked >= 0)
+        rows = tl.maximum(picked, 0).to(tl.int32)
+    else:  # the programs walk every row
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = (rows < num_rows) & _per_row(active, BLOCK_R)  # an inactive matrix is left as it is
+        if EVERY:
+            slot = rows
+        else:  # slot[n, r]: position of row r among the selected rows, -1 if not selected
+            slot = tl.load(slot_ptr + n * s_sb + rows * s_sr, mask=row_ok, other=-1)
     selected = row_ok & (slot >= 0)
     if HAS_OK:  # a step judged not finite leaves weights, momentum and row state as they are
         selected = selected & _per_row(tl.load(ok_ptr), BLOCK_R)
@@ -744,6 +753,13 @@ def row_slots(rows: torch.Tensor, num_rows: int, keep: torch.Tensor | None = Non
     return slot
 
 
+def applied_rows(rows: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, k) int64: ``rows`` (B, k) with -1 where ``keep`` is False: the rows an update
+    without weight decay visits (``update_rows_group``'s ``rows``)."""
+    rows = rows.to(torch.int64)
+    return rows if keep is None else torch.where(keep, rows, -1)
+
+
 @dataclass(frozen=True)
 class RowState:
     """A per-row state written by ``update_rows_group``: the members' (B_i, R) views and the
@@ -769,10 +785,14 @@ def update_rows_group(
     row_state: RowState | None = None,
     active: Sequence[bool] | None = None,
     cache: TableCache = TABLES,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """In place on the weight and momentum views (B_i, R, C) (N = sum B_i, in order): every
     weight row times ``decay``; the selected rows (``slot`` (N, R) from ``row_slots``; None:
-    every row, update row r for weight row r) minus ``lr * lr_scales[i] * U``, one rounding;
+    every row, update row r for weight row r; or, without weight decay, ``rows`` (N, k) from
+    ``applied_rows``, the row of each update row, and then only those rows are visited: a
+    launch over every row would leave (1 - f) of its programs idle) minus
+    ``lr * lr_scales[i] * U``, one rounding;
     their momentum rows times ``mu`` (skipped when momenta is None); their ``row_state`` rows
     set to its new values. U = update (N, k, C+) in float32, or with ``row_denominator``
     (N, k) and ``matrix_scale`` (N,) the NorMuon form (update / denominator) * scale. ``lr``,
@@ -784,11 +804,19 @@ def update_rows_group(
     N, (R, C) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
     if momenta is not None and [m.shape for m in momenta] != [w.shape for w in weights]:
         raise ValueError("update_rows: momentum and weight views differ in shape")
-    k = R if slot is None else update.shape[1]
-    if update.shape[0] != N or update.shape[1] < (R if slot is None else 0) or update.shape[2] < C:
+    every = slot is None and rows is None
+    k = R if every else update.shape[1]
+    if update.shape[0] != N or update.shape[1] < (R if every else 0) or update.shape[2] < C:
         raise ValueError(f"update_rows: update {tuple(update.shape)} does not cover {N} x {R} x {C}")
     if slot is not None and slot.shape != (N, R):
         raise ValueError(f"update_rows: slot must be ({N}, {R}), got {tuple(slot.shape)}")
+    if rows is not None and (slot is not None or decay is not None or rows.shape != (N, k)):
+        raise ValueError(
+            f"update_rows: rows ({N}, {k}) replaces slot, and only without weight decay; got rows "
+            f"{tuple(rows.shape)}, slot {'given' if slot is not None else None}, decay "
+            f"{'given' if decay is not None else None}"
+        )
+    index = rows if rows is not None else slot
     normuon = row_denominator is not None
     if normuon and (matrix_scale is None or row_denominator.shape[:2] != (N, k) or matrix_scale.shape != (N,)):
         raise ValueError("update_rows: NorMuon needs row_denominator (N, k) and matrix_scale (N,)")
@@ -808,7 +836,7 @@ def update_rows_group(
     void = _flag(void.contiguous()) if void is not None else None
     block_r, block_c, warps = _tiles("update", wo.layout, mo.layout)
     block_c = min(block_c, next_power_of_2(C))
-    grid = (N, cdiv(R, block_r), cdiv(C, block_c))
+    grid = (N, cdiv(k if rows is not None else R, block_r), cdiv(C, block_c))
     launch(
         _update_rows_kernel,
         grid,
@@ -819,7 +847,7 @@ def update_rows_group(
         vo.base,
         vo.table,
         update,
-        slot if slot is not None else lr,
+        index if index is not None else lr,
         v_new,
         lr,
         scales if scales is not None else lr,
@@ -830,16 +858,18 @@ def update_rows_group(
         void if void is not None else lr,
         float(mu),
         R,
+        k,
         C,
         *update.stride(),
-        *(slot.stride() if slot is not None else (0, 0)),
+        *(index.stride() if index is not None else (0, 0)),
         *(row_denominator.stride()[:2] if normuon else (0, 0)),
         *(v_new.stride()[:2] if row_state is not None else (0, 0)),
         W_LAYOUT=wo.layout,
         W_ALIGN=wo.align,
         M_LAYOUT=mo.layout,
         M_ALIGN=mo.align,
-        EVERY=slot is None,
+        EVERY=every,
+        BY_SLOT=rows is not None,
         NORMUON=normuon,
         HAS_OK=ok is not None,
         HAS_VOID=void is not None,

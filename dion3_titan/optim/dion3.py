@@ -324,9 +324,10 @@ class Dion3(torch.optim.Optimizer):
             ortho = ortho[:, : sg.k]
         # a non-finite NS result is never applied (optim/nonfinite.py)
         in_kernel = stages.voids_in_kernel(moves)
-        ortho, bad = self.nonfinite.orthogonalized(ortho, void_in_kernel=in_kernel)
+        row_sq = stages.result_row_sums(g, ortho, moves)  # where normalize reads them anyway
+        ortho, bad = self.nonfinite.orthogonalized(ortho, void_in_kernel=in_kernel, row_sq=row_sq)
         void = bad if in_kernel else None
-        norm = stages.normalize(g, ortho, owned_v, void, moves)  # 6. normalize (the flavor's)
+        norm = stages.normalize(g, ortho, owned_v, void, moves, row_sq)  # 6. normalize (the flavor's)
         result, result_v = sg.exchange.scatter(norm.rows, norm.row_data)  # 7. exchange back
         result = result[:, : sg.selected, : sg.local_cols]
         stages.update(g, sel, result, result_v, norm, factors, backend, void)  # 8. update

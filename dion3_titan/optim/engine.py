@@ -131,19 +131,25 @@ def row_sumsq(x: torch.Tensor) -> torch.Tensor:
 
 
 def normuon_factors(
-    o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, cols: int, void: torch.Tensor | None = None
+    rowsq: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, cols: int, void: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NorMuon (update.normuon_normalize) as factors for the update kernel's epilogue: returns
-    (row denominators sqrt(v_new) + eps (N, K), matrix scales ||o|| / ||o_hat|| (N,), v_new),
-    from one pass over o for its rows' sums of squares and one small launch for the rest.
-    ``void`` (N,): matrices taken as zero."""
-    return rk.normuon_factors(row_sumsq(o), v, beta2, eps, cols, void)
+    (row denominators sqrt(v_new) + eps (N, K), matrix scales ||o|| / ||o_hat|| (N,), v_new)
+    from the NS result's rows' sums of squares ``rowsq`` (N, K) (``row_sumsq``), in one small
+    launch. ``void`` (N,): matrices taken as zero."""
+    return rk.normuon_factors(rowsq, v, beta2, eps, cols, void)
 
 
 def slots(rows: torch.Tensor, valid: torch.Tensor | None, num_rows: int) -> torch.Tensor:
     """(N, num_rows) int32 map of a group's selection for ``update``: each row's position in
     ``rows`` (N, k), -1 where it is not selected or its ``valid`` entry is False."""
     return rk.row_slots(rows, num_rows, valid)
+
+
+def applied_rows(rows: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """(N, k) int64 map of a group's selection for an ``update`` without weight decay: the
+    row of each selected slot, -1 where its ``valid`` entry is False."""
+    return rk.applied_rows(rows, valid)
 
 
 def update(
@@ -162,11 +168,13 @@ def update(
     row_state: RowState | None = None,
     active: Sequence[bool] | None = None,
     tables: TableCache = TABLES,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """update.apply_update of a whole shape group (+ the flavor's epilogue when ``den``/
     ``scale`` are given, + its new per-row state) in one pass; ``slot`` from ``slots`` (None:
     every row, in order, f = 1); member i's learning rate is ``lr * lr_scales[i]``; ``decay``
-    None: no weight decay (the rows that are not selected stay unread)."""
+    None: no weight decay (the rows that are not selected stay unread), and then ``rows``
+    from ``applied_rows`` may replace ``slot``: the launch visits the selected rows only."""
     rk.update_rows_group(
         weights,
         momenta,
@@ -183,4 +191,5 @@ def update(
         row_state,
         active,
         tables,
+        rows,
     )

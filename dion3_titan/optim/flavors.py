@@ -22,6 +22,7 @@ class Flavor:
 
     name = "muon"
     row_data = False  # per-row data travels with the rows (one extra column in the exchange)
+    row_sums = False  # the epilogue reads the NS result's rows' sums of squares
 
     def create_state(self, state: dict, member) -> None:
         """Add this flavor's state tensors for ``member`` to the parameter's ``state``."""
@@ -37,11 +38,16 @@ class Flavor:
         return ortho, data
 
     def epilogue(
-        self, ortho: torch.Tensor, data: torch.Tensor | None, cfg: Dion3Config, cols: int, void: torch.Tensor | None
+        self,
+        row_sq: torch.Tensor | None,
+        data: torch.Tensor | None,
+        cfg: Dion3Config,
+        cols: int,
+        void: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Row engine: (row denominators, matrix scales, new per-row data) that the update
-        kernel applies to the NS result itself; (None, None, data) when there is nothing to
-        apply."""
+        kernel applies to the NS result itself, from its rows' sums of squares ``row_sq`` (N, K)
+        (given when ``row_sums``); (None, None, data) when there is nothing to apply."""
         return None, None, data
 
 
@@ -51,6 +57,7 @@ class NorMuon(Flavor):
 
     name = "normuon"
     row_data = True
+    row_sums = True
 
     def create_state(self, state: dict, member) -> None:
         if member.variance_key in state:
@@ -67,10 +74,10 @@ class NorMuon(Flavor):
     def normalize(self, ortho, data, cfg, cols):
         return normuon_normalize(ortho, data, cfg.normuon_beta2, cfg.normuon_eps, cols)
 
-    def epilogue(self, ortho, data, cfg, cols, void):
+    def epilogue(self, row_sq, data, cfg, cols, void):
         from dion3_titan.optim import engine
 
-        return engine.normuon_factors(ortho, data, cfg.normuon_beta2, cfg.normuon_eps, cols, void)
+        return engine.normuon_factors(row_sq, data, cfg.normuon_beta2, cfg.normuon_eps, cols, void)
 
 
 FLAVORS: dict[str, Flavor] = {f.name: f for f in (Flavor(), NorMuon())}

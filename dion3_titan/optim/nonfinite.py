@@ -51,8 +51,14 @@ POLICIES = ("raise", "skip")
 SOURCES = ("gradient_norm", "own_pass")  # where a step's flag came from (``flag_sources``)
 
 
-def nonfinite_matrices(out: torch.Tensor) -> torch.Tensor:
-    """(B,) mask of the matrices in a batch holding a NaN or inf."""
+def nonfinite_matrices(out: torch.Tensor, row_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) mask of the matrices in a batch holding a NaN or inf. ``row_sq`` (B, K): the
+    batch's rows' float32 sums of squares, when already computed: their total is not finite
+    exactly when an entry is not, for fp16 entries (65504² times any row length here stays far
+    below float32's range); for bf16 ones an overflow to inf also counts, and a result that
+    large is no orthogonalization either."""
+    if row_sq is not None:
+        return ~row_sq.sum(-1).isfinite()
     # max |x| per matrix in one reduction; NaN propagates through the max
     return ~torch.linalg.vector_norm(out.flatten(1), ord=float("inf"), dim=1).isfinite()
 
@@ -185,12 +191,15 @@ class NonfiniteGuard:
         """torch's fused-AdamW skip flag: 1.0 when not ``ok``."""
         return 1.0 - self.ok
 
-    def orthogonalized(self, result: torch.Tensor, void_in_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def orthogonalized(
+        self, result: torch.Tensor, void_in_kernel: bool = False, row_sq: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A Newton-Schulz result (B, n, m) with no non-finite matrix, and which matrices were
         not finite (B,) (counted, on the device). A non-finite matrix becomes zero, so its update
         subtracts nothing, except with ``void_in_kernel``: the update kernel zeroes it itself
-        (the caller passes it the returned flags), so no pass over the batch."""
-        bad = nonfinite_matrices(result)
+        (the caller passes it the returned flags), so no pass over the batch. ``row_sq``: the
+        result's rows' sums of squares, if computed (then no pass of its own either)."""
+        bad = nonfinite_matrices(result, row_sq)
         self._count_ns(bad)
         if not void_in_kernel:
             result = torch.where(bad[:, None, None], torch.zeros_like(result), result)

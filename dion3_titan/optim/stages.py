@@ -120,10 +120,22 @@ class Stages:
         """Whether the update zeroes a non-finite NS result itself (no pass over the batch)."""
         return False
 
+    def result_row_sums(self, g: GroupStep, ortho: torch.Tensor, moves: bool) -> torch.Tensor | None:
+        """The NS result's rows' sums of squares (N, K) float32 where ``normalize`` reads them
+        (one pass; the result's finiteness check then reads them too), else None."""
+        return None
+
     def normalize(
-        self, g: GroupStep, ortho: torch.Tensor, row_data: torch.Tensor | None, void: torch.Tensor, moves: bool
+        self,
+        g: GroupStep,
+        ortho: torch.Tensor,
+        row_data: torch.Tensor | None,
+        void: torch.Tensor,
+        moves: bool,
+        row_sq: torch.Tensor | None = None,
     ) -> Normalized:
-        """6. The flavor's normalization of the owner's NS results (``void``: matrices taken as zero)."""
+        """6. The flavor's normalization of the owner's NS results (``void``: matrices taken as
+        zero; ``row_sq``: ``result_row_sums``)."""
         raise NotImplementedError
 
     def update(

@@ -74,12 +74,23 @@ class RowEngineStages(Stages):
     def voids_in_kernel(self, moves: bool) -> bool:
         return not moves
 
+    def result_row_sums(self, g: GroupStep, ortho: torch.Tensor, moves: bool) -> torch.Tensor | None:
+        return engine.row_sumsq(ortho) if not moves and g.flavor.row_sums else None
+
     def normalize(
-        self, g: GroupStep, ortho: torch.Tensor, row_data: torch.Tensor | None, void: torch.Tensor, moves: bool
+        self,
+        g: GroupStep,
+        ortho: torch.Tensor,
+        row_data: torch.Tensor | None,
+        void: torch.Tensor,
+        moves: bool,
+        row_sq: torch.Tensor | None = None,
     ) -> Normalized:
         cols = g.members[0].layout.global_cols
         if not moves:  # the update kernel applies it (epilogue)
-            den, scale, data = g.flavor.epilogue(ortho, row_data, g.cfg, cols, void)
+            if row_sq is None and g.flavor.row_sums:
+                row_sq = engine.row_sumsq(ortho)
+            den, scale, data = g.flavor.epilogue(row_sq, row_data, g.cfg, cols, void)
             return Normalized(ortho, data, den, scale)
         rows, data = g.flavor.normalize(ortho, row_data, g.cfg, cols)
         return Normalized(rows, data)
@@ -98,7 +109,11 @@ class RowEngineStages(Stages):
         """The whole group's update, error feedback, epilogue and new per-row state in one launch
         (a step with a non-finite gradient leaves weights, momentum and state as they are)."""
         sg = g.sg
-        slot = None if sel.every_row else engine.slots(sel.rows, sel.valid, sg.local_rows)
+        slot = rows = None
+        if not sel.every_row and factors.decays:  # every weight row decays: the launch visits all
+            slot = engine.slots(sel.rows, sel.valid, sg.local_rows)
+        elif not sel.every_row:
+            rows = engine.applied_rows(sel.rows, sel.valid)
         row_state = None
         if g.row_states is not None:
             row_state = engine.RowState(g.row_states, row_data[:, : sg.selected].float())
@@ -118,4 +133,5 @@ class RowEngineStages(Stages):
             row_state=row_state,
             active=g.active,
             tables=g.tables,
+            rows=rows,
         )

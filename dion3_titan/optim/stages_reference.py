@@ -65,7 +65,13 @@ class ReferenceStages(Stages):
         return Packed(send, row_data, False)
 
     def normalize(
-        self, g: GroupStep, ortho: torch.Tensor, row_data: torch.Tensor | None, void: torch.Tensor, moves: bool
+        self,
+        g: GroupStep,
+        ortho: torch.Tensor,
+        row_data: torch.Tensor | None,
+        void: torch.Tensor,
+        moves: bool,
+        row_sq: torch.Tensor | None = None,
     ) -> Normalized:
         rows, data = g.flavor.normalize(ortho, row_data, g.cfg, g.members[0].layout.global_cols)
         return Normalized(rows, data)

@@ -205,9 +205,9 @@ def test_cute_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool,
     assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6
 
 
-@pytest.mark.parametrize("shape", [(4, 512, 1536), (2, 1536, 512)], ids=["wide", "tall"])
+@pytest.mark.parametrize("shape", [(4, 512, 1536), (2, 1536, 512), (4, 256, 1024)], ids=["wide", "tall", "side256"])
 def test_auto_picks_triton_for_gram_ns_in_the_optimizer(shape, seed: int, monkeypatch) -> None:
-    """From a Gram side of 512 on, backend = "auto" orthogonalizes fp16 batches in Triton: one
+    """From a Gram side of 256 on, backend = "auto" orthogonalizes fp16 batches in Triton: one
     Dion3 step with "auto" runs its Gram NS on the Triton backend and moves the weights as the
     torch backend does, to fp16 rounding."""
     import dion3_titan.optim.dion3 as dion3_module
