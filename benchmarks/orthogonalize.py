@@ -315,13 +315,18 @@ def main() -> None:
     if args.rounds and "triton" in ops:
         interleaved(ns_rows, args.rounds, auto, ops, anchor)
 
-    # ---- small shapes: where a kernel backend starts to pay (dispatch.TRITON_MIN_N)
+    # ---- small shapes: where a kernel backend starts to pay (dispatch.TRITON_MIN_N), eager
+    # (do_bench: the host's launches show at these sizes) and captured in a CUDA graph (device
+    # time only); the last three are the small Gram sides of llama3-1B's step at f = 1/4
     cross_rows = []
-    for batch, n in ((64, 256), (32, 512), (16, 768), (16, 1024), (8, 1536)) if args.crossover else ():
-        x = torch.randn(batch, n, 4 * n, device="cuda", dtype=torch.bfloat16)
-        row = {"shape": f"{batch}x{n}x{4 * n}"}
+    small = ((64, 256, 1024), (32, 512, 2048), (16, 768, 3072), (16, 1024, 4096), (8, 1536, 6144))
+    small += ((32, 256, 2048), (16, 512, 8192))
+    for batch, n, m in small if args.crossover else ():
+        x = torch.randn(batch, n, m, device="cuda", dtype=torch.bfloat16)
+        row = {"shape": f"{batch}x{n}x{m}"}
         for name in ("torch", "triton"):
             row[f"gram_{name}"] = bench(lambda: orthogonalize(x, gram, get_backend(name)))
+            row[f"gram_{name}_graph"] = graph_ms(lambda: orthogonalize(x, gram, get_backend(name)), 30)
         print("cross", json.dumps(row))
         cross_rows.append(row)
     result["crossover"] = cross_rows

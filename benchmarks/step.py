@@ -6,6 +6,9 @@ wq/wk/wv/wo and w1/w2/w3 as torchtitan's llama3 has them, fp32 as FSDP2 keeps th
 forward pass: every step's gradients are fresh N(0, 1) draws (fixed seed, never zeros) written
 in place into the same ``p.grad`` tensors, which is what a CUDA-graph replay needs. Under
 torchrun with more than one rank every layer and then the root are ``fully_shard``-ed (FSDP2).
+A row whose name ends in ``+norm`` hands Dion3 the gradients' total norm before each step, as
+torchtitan's gradient clipping does, so it makes no finiteness pass of its own (microsoft/dion
+makes none either way). ``--weight-decay`` applies to every row alike.
 
 Per configuration (all in one run):
   * GPU ms: median over ``--steps`` steps of CUDA events around ``step()`` (after warm-up), the
@@ -50,7 +53,7 @@ import torch.distributed as dist
 from benchmarks.llama import MODELS, GradFiller, ModelShape, build_model, count_params
 from benchmarks.output import fmt, output_path, write_json
 from benchmarks.ranks import all_ranks_true, init_distributed, log, rank, world_size
-from benchmarks.step_configs import GRAPH_WARMUP, anchor_module, build_configs, estimate_s, run_priority
+from benchmarks.step_configs import GRAPH_WARMUP, WEIGHT_DECAY, anchor_module, build_configs, estimate_s, run_priority
 from benchmarks.step_report import attach_adamw_floor, attach_flops, attach_ratios, print_table
 from benchmarks.step_runners import graphed_optimizer_class, unavailable_reason
 from benchmarks.step_timing import free_memory, not_run, run_config
@@ -81,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["gram", "auto"],
         help="ns_algorithm of the '+ Gram NS' rows and after: 'auto' (the optimizer's default) runs "
         "standard NS on square matrices, 'gram' runs Gram NS on every batch",
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=WEIGHT_DECAY,
+        help="of every row (0: Dion3's update leaves the rows it does not select unread, as in bench_train)",
     )
     p.add_argument("--steps", type=int, default=25, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (graph rows: at least 5)")
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         "flavor": args.flavor,
         "kernels": args.kernels,
         "gram_algorithm": args.gram_algorithm,
+        "weight_decay": args.weight_decay,
         "steps": args.steps,
         "warmup": args.warmup,
         "matmul_tflops_fp16": tflops,

@@ -21,13 +21,17 @@ class BenchConfig:
     kind: str  # "adamw" | "torch_muon" | "dion3" | "anchor" (microsoft/dion)
     options: dict = field(default_factory=dict)  # Dion3 (or the anchor class's) keyword arguments
     graph: bool = False
+    # each step is handed the gradients' total norm first, as torchtitan's gradient clipping
+    # does (dion3_titan/clipping.py), so Dion3 makes no finiteness pass of its own
+    given_norm: bool = False
 
 
 def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
     """AdamW, torch.optim.Muon, Muon on our engine, then Dion3 adding one contribution at a
     time (paper Fig. 1 / Table 5 order), each Dion3 step with and without a CUDA graph, and
     Dion3 f = 1 without megabatching (Table 1)."""
-    base = {"flavor": args.flavor, "weight_decay": WEIGHT_DECAY}
+    wd = {"weight_decay": args.weight_decay}  # every row's, ours and the baselines' alike
+    base = {"flavor": args.flavor, **wd}
     muon = {
         **base,
         "fraction": 1.0,
@@ -41,8 +45,10 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
     f1_kernels = {**f1_torch, "backend": args.kernels}
     gram = {**f1_kernels, "ns_algorithm": args.gram_algorithm}
     configs = [
-        BenchConfig("adamw", "AdamW (torch fused)" if args.device == "cuda" else "AdamW (torch foreach)", "adamw"),
-        BenchConfig("muon_torch", "torch.optim.Muon (per matrix, NS5 bf16)", "torch_muon"),
+        BenchConfig(
+            "adamw", "AdamW (torch fused)" if args.device == "cuda" else "AdamW (torch foreach)", "adamw", dict(wd)
+        ),
+        BenchConfig("muon_torch", "torch.optim.Muon (per matrix, NS5 bf16)", "torch_muon", dict(wd)),
         BenchConfig("muon", "Muon: standard NS5, torch, no megabatch", "dion3", muon),
     ]
     stack = [
@@ -55,6 +61,17 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
     for name, label, options in stack:
         configs.append(BenchConfig(name, label, "dion3", options))
         configs.append(BenchConfig(name + "+graph", label + " + CUDA graph", "dion3", options, graph=True))
+        if name == "dion3_f1/4":
+            configs.append(
+                BenchConfig(
+                    name + "+graph+norm",
+                    label + " + CUDA graph, gradient norm given (as under torchtitan with clipping)",
+                    "dion3",
+                    options,
+                    graph=True,
+                    given_norm=True,
+                )
+            )
         if name == "dion3_f1_torch":
             configs.append(
                 BenchConfig(
@@ -101,7 +118,7 @@ def anchor_configs(args: argparse.Namespace) -> list[BenchConfig]:
         )
     out = []
     for name, label, cls_name, kw in rows:
-        options = {"class": cls_name, **kw}
+        options = {"class": cls_name, "weight_decay": args.weight_decay, **kw}
         out.append(BenchConfig(name, label, "anchor", options))
         out.append(BenchConfig(name + "+graph", label + " + its CUDA graph", "anchor", options, graph=True))
     return out
@@ -121,6 +138,7 @@ ANCHOR_PAIRS = {"dion3_f1_gram": "dion_f1", "dion3_f1/2": "dion_f1/2", "dion3_f1
 
 
 def anchor_of(name: str, flavor: str) -> str | None:
+    name = name.removesuffix("+norm")  # the anchor makes no finiteness pass either way
     base, graph = name.removesuffix("+graph"), name.endswith("+graph")
     pair = ANCHOR_PAIRS.get(base)
     if pair is None and base == "muon":
@@ -145,6 +163,6 @@ def estimate_s(cfg: BenchConfig, walls: dict[str, float]) -> float:
     graph row costs what its eager row did (+10% for its longer warm-up); the extra baselines
     what the rows they extend did."""
     twin = {"muon_torch": "muon", "dion3_f1_torch_nomb": "dion3_f1_torch"}.get(
-        cfg.name, cfg.name.removesuffix("+graph")
+        cfg.name, cfg.name.removesuffix("+norm").removesuffix("+graph")
     )
     return 1.1 * walls.get(twin, 0.0) if twin != cfg.name else 0.0

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from benchmarks.ranks import rank, world_size
-from benchmarks.step_configs import ADAMW_LR, GRAPH_WARMUP, MATRIX_LR, WEIGHT_DECAY, BenchConfig, anchor_module
+from benchmarks.step_configs import ADAMW_LR, GRAPH_WARMUP, MATRIX_LR, BenchConfig, anchor_module
 from dion3_titan import Dion3
 from dion3_titan.dist.layout import to_local
 from dion3_titan.kernels.flops import ns_flops
@@ -77,14 +77,14 @@ class Runner:
         self.graph_warmup = graph_warmup
 
 
-def adamw(params: list[torch.Tensor], device: torch.device) -> torch.optim.AdamW:
+def adamw(params: list[torch.Tensor], device: torch.device, weight_decay: float) -> torch.optim.AdamW:
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(params, lr=ADAMW_LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY, **impl)
+    return torch.optim.AdamW(params, lr=ADAMW_LR, betas=(0.9, 0.95), weight_decay=weight_decay, **impl)
 
 
 def make_runner(cfg: BenchConfig, model: nn.Module, device: torch.device, graph_cls: type | None) -> Runner:
     if cfg.kind == "adamw":
-        opt = adamw(list(model.parameters()), device)
+        opt = adamw(list(model.parameters()), device, cfg.options["weight_decay"])
         return Runner(opt.step)
     groups = build_param_groups(model.named_parameters(), adamw_lr=ADAMW_LR)
     matrices, scalars = groups[0]["params"], groups[1]["params"]
@@ -97,7 +97,6 @@ def make_runner(cfg: BenchConfig, model: nn.Module, device: torch.device, graph_
             [{"params": matrices}, {"params": scalars, "algorithm": "adamw", "lr": ADAMW_LR}],
             distributed_mesh=mesh,
             lr=MATRIX_LR,
-            weight_decay=WEIGHT_DECAY,
             **kw,
         )
         if not cfg.graph:
@@ -107,8 +106,9 @@ def make_runner(cfg: BenchConfig, model: nn.Module, device: torch.device, graph_
         graphed = CudaGraphOptimizer(opt, warmup_steps=GRAPH_WARMUP)
         return Runner(graphed.step, release=graphed.release, ns_flops=None, graph_warmup=GRAPH_WARMUP)
     if cfg.kind == "torch_muon":
-        muon = torch.optim.Muon(matrices, lr=MATRIX_LR, weight_decay=WEIGHT_DECAY, momentum=0.95)
-        rest = adamw(scalars, device)
+        wd = cfg.options["weight_decay"]
+        muon = torch.optim.Muon(matrices, lr=MATRIX_LR, weight_decay=wd, momentum=0.95)
+        rest = adamw(scalars, device, wd)
 
         def step() -> None:
             muon.step()
@@ -121,10 +121,20 @@ def make_runner(cfg: BenchConfig, model: nn.Module, device: torch.device, graph_
     except Exception as exc:  # it reads the plan's internals: a rename must not cost the timing
         print(f"[rank {rank()}] NS FLOP count unavailable for {cfg.name}: {type(exc).__name__}: {exc}")
         flops = None
+    stepper = opt if not cfg.graph else graph_cls(opt, warmup_steps=GRAPH_WARMUP)
+    step = stepper.step
+    if cfg.given_norm:  # the trainer's clipping norm of the (in-place refilled) gradients, a device scalar
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(to_local(p.grad)) for p in model.parameters() if p.grad is not None])
+        )
+
+        def step() -> None:
+            stepper.use_gradient_norm(norm)
+            stepper.step()
+
     if not cfg.graph:
-        return Runner(opt.step, opt.comm_stats, ns_flops=flops)
-    graphed = graph_cls(opt, warmup_steps=GRAPH_WARMUP)
-    return Runner(graphed.step, opt.comm_stats, graphed.release, flops, graph_warmup=GRAPH_WARMUP)
+        return Runner(step, opt.comm_stats, ns_flops=flops)
+    return Runner(step, opt.comm_stats, stepper.release, flops, graph_warmup=GRAPH_WARMUP)
 
 
 def unavailable_reason(cfg: BenchConfig, device: torch.device, graph_note: str) -> str:

@@ -97,7 +97,14 @@ def free_memory(device: torch.device) -> None:
 
 def config_row(cfg: BenchConfig) -> dict:
     """The columns of a row that say which configuration it is."""
-    return {"name": cfg.name, "label": cfg.label, "kind": cfg.kind, "graph": cfg.graph, "options": dict(cfg.options)}
+    return {
+        "name": cfg.name,
+        "label": cfg.label,
+        "kind": cfg.kind,
+        "graph": cfg.graph,
+        "given_norm": cfg.given_norm,
+        "options": dict(cfg.options),
+    }
 
 
 def not_run(cfg: BenchConfig, status: str, note: str) -> dict:
@@ -152,9 +159,10 @@ def run_config(
     comm = reduce_max([float(b) for b in t.comm_bytes] + [float(t.eager_comm_bytes)], device)
     q1, med, q3 = quartiles(dev_ms)
     step_comm = comm[-1] if cfg.graph else statistics.median(comm[:-1]) if comm[:-1] else 0.0
+    notes = [note] + (["comm from an eager warm-up step"] if cfg.graph and step_comm else [])
     row.update(
         status="ok",
-        note="comm from an eager warm-up step" if cfg.graph and step_comm else "",
+        note="; ".join(n for n in notes if n),  # a failed release is reported on a timed row too
         gpu_ms=med,
         gpu_ms_q1=q1,
         gpu_ms_q3=q3,
