@@ -55,8 +55,8 @@ def nonfinite_matrices(out: torch.Tensor, row_sq: torch.Tensor | None = None) ->
     """(B,) mask of the matrices in a batch holding a NaN or inf. ``row_sq`` (B, K): the
     batch's rows' float32 sums of squares, when already computed: their total is not finite
     exactly when an entry is not, for fp16 entries (65504² times any row length here stays far
-    below float32's range); for bf16 ones an overflow to inf also counts, and a result that
-    large is no orthogonalization either."""
+    below float32's range); for wider ones (bf16, float32) a square's overflow to inf also
+    counts, and a result that large is no orthogonalization either."""
     if row_sq is not None:
         return ~row_sq.sum(-1).isfinite()
     # max |x| per matrix in one reduction; NaN propagates through the max
