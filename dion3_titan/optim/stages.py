@@ -132,7 +132,7 @@ class Stages:
         row_data: torch.Tensor | None,
         void: torch.Tensor,
         moves: bool,
-        row_sq: torch.Tensor | None = None,
+        row_sq: torch.Tensor | None,
     ) -> Normalized:
         """6. The flavor's normalization of the owner's NS results (``void``: matrices taken as
         zero; ``row_sq``: ``result_row_sums``)."""

@@ -84,12 +84,10 @@ class RowEngineStages(Stages):
         row_data: torch.Tensor | None,
         void: torch.Tensor,
         moves: bool,
-        row_sq: torch.Tensor | None = None,
+        row_sq: torch.Tensor | None,
     ) -> Normalized:
         cols = g.members[0].layout.global_cols
-        if not moves:  # the update kernel applies it (epilogue)
-            if row_sq is None and g.flavor.row_sums:
-                row_sq = engine.row_sumsq(ortho)
+        if not moves:  # the update kernel applies it (epilogue), from result_row_sums' row sums
             den, scale, data = g.flavor.epilogue(row_sq, row_data, g.cfg, cols, void)
             return Normalized(ortho, data, den, scale)
         rows, data = g.flavor.normalize(ortho, row_data, g.cfg, cols)

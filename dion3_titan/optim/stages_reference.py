@@ -71,7 +71,7 @@ class ReferenceStages(Stages):
         row_data: torch.Tensor | None,
         void: torch.Tensor,
         moves: bool,
-        row_sq: torch.Tensor | None = None,
+        row_sq: torch.Tensor | None,
     ) -> Normalized:
         rows, data = g.flavor.normalize(ortho, row_data, g.cfg, g.members[0].layout.global_cols)
         return Normalized(rows, data)
