@@ -175,6 +175,9 @@ def main() -> None:
     p.add_argument(
         "--triton-min-n", type=int, default=0, help="override dispatch.TRITON_MIN_N (an A/B of the torch/Triton split)"
     )
+    p.add_argument(
+        "--one-stream", action="store_true", help="ns_overlap = false: every shape group on the step's stream"
+    )
     a = p.parse_args()
     if a.triton_min_n:
         from dion3_titan.kernels import dispatch
@@ -184,6 +187,8 @@ def main() -> None:
         sys.exit("needs a CUDA GPU (it times host time against an asynchronous device)")
     device, mesh = init_distributed("cuda")
     options = {"flavor": a.flavor, "weight_decay": 0.01, "fraction": a.fraction, "ns_algorithm": "gram"}
+    if a.one_stream:
+        options["ns_overlap"] = False
     print(
         f"{torch.cuda.get_device_name(device)}, {a.model} shapes, {a.flavor} f={a.fraction:g}"
         + (", gradient norm given" if a.given_norm else ", own finiteness pass")

@@ -72,6 +72,16 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
                     given_norm=True,
                 )
             )
+            configs.append(
+                BenchConfig(
+                    name + "+graph+norm+1stream",
+                    label + " + CUDA graph, gradient norm given, every group on one stream (ns_overlap = false)",
+                    "dion3",
+                    {**options, "ns_overlap": False},
+                    graph=True,
+                    given_norm=True,
+                )
+            )
         if name == "dion3_f1_torch":
             configs.append(
                 BenchConfig(
@@ -138,7 +148,8 @@ ANCHOR_PAIRS = {"dion3_f1_gram": "dion_f1", "dion3_f1/2": "dion_f1/2", "dion3_f1
 
 
 def anchor_of(name: str, flavor: str) -> str | None:
-    name = name.removesuffix("+norm")  # the anchor makes no finiteness pass either way
+    # the anchor makes no finiteness pass and runs on one stream either way
+    name = name.removesuffix("+1stream").removesuffix("+norm")
     base, graph = name.removesuffix("+graph"), name.endswith("+graph")
     pair = ANCHOR_PAIRS.get(base)
     if pair is None and base == "muon":

@@ -65,7 +65,7 @@ def test_single_process_rows(single: Path) -> None:
         "dion3_f1/4",
     }
     graph_rows = {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"}
-    assert expected | graph_rows | {"dion3_f1/4+graph+norm"} == set(rows)
+    assert expected | graph_rows | {"dion3_f1/4+graph+norm", "dion3_f1/4+graph+norm+1stream"} == set(rows)
     for r in rows.values():
         if r["graph"]:
             assert r["status"] == "unavailable", r
@@ -152,11 +152,11 @@ def test_graph_rows_with_a_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     finally:
         torch.set_num_threads(threads)
     _, rows = _rows(out)
-    for name in ("dion3_f1/4+graph", "dion3_f1/4+graph+norm"):
+    for name in ("dion3_f1/4+graph", "dion3_f1/4+graph+norm", "dion3_f1/4+graph+norm+1stream"):
         assert rows[name]["status"] == "ok" and rows[name]["gpu_ms"] > 0
-    # in run order: the row without a norm made its own pass every step, the other never did
-    assert [s["gradient_norm"] > 0 for s in released] == [False, True], released
-    assert [s["own_pass"] > 0 for s in released] == [True, False], released
+    # in run order: the row without a norm made its own pass every step, the others never did
+    assert [s["gradient_norm"] > 0 for s in released] == [False, True, True], released
+    assert [s["own_pass"] > 0 for s in released] == [True, False, False], released
 
 
 @pytest.mark.parametrize("name", ["1b", "tiny"])

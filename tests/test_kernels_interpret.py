@@ -157,6 +157,22 @@ def _run_checks(seed: int) -> list[dict]:
                     )
     x = torch.randn(1, 40, 32).half()
     results.append({"check": "mm_declines", "case": "M=40", "ok": triton_mm.mm_tma(x, x.mT, config=mm_config) is None})
+    # persistent kernels on fewer programs than SMs (tma.leave_sms, the overlapped step's NS
+    # stream): every tile once, the same bits; interpreted, a CPU "device" has 4 SMs
+    from dion3_titan.kernels.tma import grid_sms, leave_sms
+
+    x, y = torch.randn(3, 48, 32).half(), torch.randn(3, 32, 64).half()
+    products = {
+        "sym": lambda: triton_ops.sym_gemm_tma(x, x.mT, config=(16, 16, 2, 4, 2)),
+        "mm": lambda: triton_mm.mm_tma(x, y, config=(16, 32, 16, 2, 4, 2)),
+    }
+    for name, product in products.items():
+        full = product()
+        for left in (1, 3):
+            with leave_sms(left):
+                fewer, programs = product(), grid_sms(x.device)
+            ok = full is not None and fewer is not None and torch.equal(full, fewer) and programs == 4 - left
+            results.append({"check": "leave_sms", "case": f"{name},left={left}", "ok": ok})
     x = torch.randn(1, 40, 32).half()  # n not a multiple of the tile: the general kernel's job
     results.append(
         {"check": "tma_declines", "case": "n=40", "ok": triton_ops.sym_gemm_tma(x, x.mT, config=tma_config) is None}
@@ -275,6 +291,11 @@ def test_sym_gemm_exactly_symmetric_in_input_dtype(results: list[dict]) -> None:
 
 def test_tma_kernel_declines_ragged_shapes(results: list[dict]) -> None:
     assert all(r["ok"] for r in _of(results, "tma_declines"))
+
+
+def test_persistent_kernels_on_fewer_programs(results: list[dict]) -> None:
+    bad = [r["case"] for r in _of(results, "leave_sms") if not r["ok"]]
+    assert len(_of(results, "leave_sms")) == 4 and not bad, bad
 
 
 def test_tma_kernel_allocates_the_same_result(results: list[dict]) -> None:

@@ -213,7 +213,10 @@ def test_injected_negative_gram_eigenvalue_needs_restart():
 def orthogonalize_checked(x, settings, backend):
     """orthogonalize, then the optimizer's non-finite check on its result (one batch)."""
     out = orthogonalize(x, settings, backend)
-    return NonfiniteGuard("raise").orthogonalized(out)
+    guard = NonfiniteGuard("raise")
+    out, bad = guard.orthogonalized(out)
+    guard.count_ns(bad)
+    return out, bad
 
 
 class CorruptFirstGram(TorchOps):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dion3_titan.kernels.tma import num_sms
+from dion3_titan.kernels.tma import grid_sms
 from dion3_titan.kernels.triton_ops import TritonOps, tile_order
 
 TILE = 128  # output tile side (square: the triangle of tiles needs square tiles)
@@ -521,7 +521,7 @@ def sym_gemm(
     fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, STAGES)
     side = n // TILE
     table = _tile_table(side, GROUP, a.device)
-    ctas = min(num_sms(a.device), L * table.shape[1])
+    ctas = min(grid_sms(a.device), L * table.shape[1])
     fn(
         _as_nkl(a),
         _as_nkl(bt),

@@ -4,9 +4,11 @@ the grid size, and the one-time fallback when a Triton version cannot build a ke
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 import triton
@@ -20,6 +22,26 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_LEFT_FREE = contextvars.ContextVar("dion3_sms_left_free", default=0)
+
+
+def grid_sms(device: torch.device) -> int:
+    """The programs (CTAs) of a persistent kernel launched now: one per SM, less the SMs that
+    ``leave_sms`` keeps free for kernels running beside it on another stream."""
+    return max(1, num_sms(device) - _LEFT_FREE.get())
+
+
+@contextlib.contextmanager
+def leave_sms(count: int) -> Iterator[None]:
+    """Persistent kernels launched inside leave ``count`` SMs free. Which tile a program runs
+    changes, not how a tile is computed: results are bit-identical."""
+    token = _LEFT_FREE.set(count)
+    try:
+        yield
+    finally:
+        _LEFT_FREE.reset(token)
 
 
 def rows_stacked(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:

@@ -26,8 +26,8 @@ from dion3_titan.kernels.rounding import round_to
 from dion3_titan.kernels.tma import (
     aligned,
     ensure_scratch_allocator,
+    grid_sms,
     mma_step,
-    num_sms,
     operand_descs,
     rows_stacked,
     stacked_desc,
@@ -196,7 +196,7 @@ def mm_tma(
         out = torch.empty((L, M, N), dtype=a.dtype, device=a.device)
     ensure_scratch_allocator()
     c_arg, c_strides = (c, c.stride()) if has_c else (out, (0, 0, 0))  # C is never read without has_c
-    sms = num_sms(a.device)
+    sms = grid_sms(a.device)
     grid = (min(sms, L * (M // block_m) * (N // block_n)),)
     launch(
         _mm_tma_kernel,

@@ -34,6 +34,7 @@ from dion3_titan.kernels.row_engine import row_slots, update_rows
 from dion3_titan.kernels.tma import (
     aligned,
     ensure_scratch_allocator,
+    grid_sms,
     launch_or_none,
     mma_step,
     num_sms,
@@ -495,7 +496,7 @@ def sym_gemm_tma(
     if out is None:
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
     ensure_scratch_allocator()
-    sms = num_sms(a.device)
+    sms = grid_sms(a.device)
     side = n // block
     tiles = wide_tiles(side) if cfg.wide else side * (side + 1) // 2
     grid = (min(sms, L * tiles),)

@@ -107,6 +107,10 @@ class Dion3Config:
     # With "gradients": "repeat" (every replica orthogonalizes every matrix) or "split" (each a
     # share, results all-gathered: fewer NS FLOPs for more bytes across replicas).
     replicate_ns: str = "repeat"
+    # One process on a GPU: the shape group with the most Newton-Schulz FLOPs runs its pipeline
+    # on a CUDA stream of its own, beside the other groups' where theirs are small (optim/
+    # overlap.py); false runs every group on the step's stream, one after another.
+    ns_overlap: bool = True
     # Fused-weight splitting (optim/split.py, docs/splitting.md): pieces of a parameter that are
     # orthogonalized as separate matrices. One string, specs joined by "|" (the Python API also
     # takes a list), e.g. "pattern=layers.*.attention.wqkv.weight;sizes=512,128,128".
@@ -160,6 +164,8 @@ class Dion3Config:
                 f"split_heads_pattern={self.split_heads_pattern!r}: must be a glob on parameter names "
                 "(several joined by '|'), e.g. '*.attention.wq.weight'"
             )
+        if not isinstance(self.ns_overlap, bool):
+            raise ValueError(f"ns_overlap={self.ns_overlap!r}: must be true or false")
         if not isinstance(self.split_auto, bool):
             raise ValueError(f"split_auto={self.split_auto!r}: must be true or false")
 

@@ -8,7 +8,7 @@ Groups with ``algorithm="adamw"`` (embeddings, output head, norms, biases) run t
 inside the same optimizer. docs/optimizer.md, "How a step flows", walks through it.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim.adamw import adamw
@@ -18,7 +18,8 @@ from dion3_titan.dist.layout import describe, to_local, zeros_like_param
 from dion3_titan.dist.plan import PlanEntry, PlanSettings, ShapeGroup, build_groups
 from dion3_titan.dist.replicas import average_over_replicas
 from dion3_titan.kernels import Backend, select_backend
-from dion3_titan.optim import engine
+from dion3_titan.kernels.flops import ns_flops
+from dion3_titan.optim import engine, overlap
 from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.moving_grads import MovingGradients
@@ -27,7 +28,7 @@ from dion3_titan.optim.observe import Observer
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
 from dion3_titan.optim.selection import RowSelector, is_tall
 from dion3_titan.optim.split import split_pieces
-from dion3_titan.optim.stages import Factors, GroupStep, RowStats, Stages
+from dion3_titan.optim.stages import Factors, GroupStep, Outcome, RowStats, Stages
 from dion3_titan.optim.stages_engine import RowEngineStages
 from dion3_titan.optim.stages_reference import ReferenceStages
 
@@ -84,6 +85,7 @@ class Dion3(torch.optim.Optimizer):
                         )
             self._configs.append(cfg)
         self.replicate_sync = self._one_value("replicate_sync")
+        self.ns_overlap = self._one_value("ns_overlap")
         self._build_plan()
         self._check_replicas()
         self._init_state()
@@ -91,8 +93,8 @@ class Dion3(torch.optim.Optimizer):
     # ----------------------------------------------------------------- construction
     def _one_value(self, key: str) -> str:
         """A setting of the whole optimizer, which every matrix group must name alike:
-        ``replicate_sync`` (FSDP2 syncs gradients, or not, for every parameter) and
-        ``nonfinite`` (a step has one flag for all its gradients)."""
+        ``replicate_sync`` (FSDP2 syncs gradients, or not, for every parameter), ``nonfinite``
+        (a step has one flag for all its gradients) and ``ns_overlap`` (one schedule per step)."""
         values = {getattr(cfg, key) for cfg in self._configs if cfg is not None}
         if len(values) > 1:
             raise ValueError(f"{key}: every matrix param group must use the same value, got {sorted(values)}")
@@ -145,6 +147,7 @@ class Dion3(torch.optim.Optimizer):
         self.kernel_tables = engine.TableCache()  # the row engine's per-group kernel tables
         self._views: dict[tuple[int, int], tuple] = {}  # (id(group), state_version) -> member views
         self._reference, self._row_engine = ReferenceStages(), RowEngineStages()
+        self._overlap = overlap.Overlap()  # the costliest group's stream, made on first use
 
     def _init_state(self) -> None:
         """Every state tensor exists from construction on, identically on every rank (DCP)."""
@@ -298,18 +301,32 @@ class Dion3(torch.optim.Optimizer):
         self.nonfinite.publish()
 
     def _matrix_steps(self, groups: list[ShapeGroup], moving: MovingGradients | None = None) -> None:
-        """The matrix pipeline: momentum accumulation for every group, then each shape group
-        from selection to update before the next starts, so only one group's Newton-Schulz
-        buffers are alive at a time."""
+        """The matrix pipeline: momentum accumulation, then each shape group from selection to
+        update before the next starts, so only one group's Newton-Schulz buffers are alive at a
+        time. On one GPU the group of the most NS FLOPs runs its pipeline on a stream of its own,
+        beside the others' (optim/overlap.py)."""
         self.observer.count_step(self.nonfinite.ok)
         self.selector.seed(groups, self._configs, self.param_groups)
-        stats = self._accumulate(groups, moving)
         factors = {gi: self._step_factors(gi) for gi in dict.fromkeys(sg.group_index for sg in groups)}
-        for sg in groups:
-            self._step_group(sg, stats.get(id(sg)), factors[sg.group_index])
 
-    def _step_group(self, sg: ShapeGroup, stats: RowStats | None, factors: Factors) -> None:
-        """Stages 2-8 of one shape group."""
+        def pipeline(lane: list[ShapeGroup], account: Callable[[Outcome], None]) -> None:
+            stats = self._accumulate(lane, moving)
+            for sg in lane:
+                account(self._step_group(sg, stats.get(id(sg)), factors[sg.group_index]))
+
+        device = self._device()
+        if self.ns_overlap and overlap.applies(groups, self.ns_cost, device):
+            self._overlap.run(groups, self.ns_cost, device, pipeline, self._account)
+        else:
+            pipeline(groups, self._account)
+
+    def ns_cost(self, sg: ShapeGroup) -> float:
+        """Newton-Schulz FLOPs of one step of shape group ``sg`` on this rank."""
+        cfg = self._configs[sg.group_index]
+        return sg.batch * ns_flops(sg.k, sg.cols, cfg.ns_algorithm, cfg.ns_steps, cfg.ns_restarts, symmetric=True)
+
+    def _step_group(self, sg: ShapeGroup, stats: RowStats | None, factors: Factors) -> Outcome:
+        """Stages 2-8 of one shape group; returns what the step's counters take from it."""
         g, stages, moves, replicas = self._group_step(sg), self._stages(sg), sg.moves_data, sg.replicas
         agree = replicas.agree if replicas is not None and replicas.mean else None  # compressed sync
         sel = self.selector.select(sg, g.cfg, g.momenta, None if stats is None else stats.l1, agree)  # 2. select
@@ -331,7 +348,12 @@ class Dion3(torch.optim.Optimizer):
         result, result_v = sg.exchange.scatter(norm.rows, norm.row_data)  # 7. exchange back
         result = result[:, : sg.selected, : sg.local_cols]
         stages.update(g, sel, result, result_v, norm, factors, backend, void)  # 8. update
-        self.observer.record(g, sel, result, norm, factors.lr, void)
+        return Outcome(g, sel, result, norm, factors.lr, void, bad)
+
+    def _account(self, out: Outcome) -> None:
+        """The step's counters of one shape group: non-finite NS results, and the metrics."""
+        self.nonfinite.count_ns(out.bad)
+        self.observer.record(out.g, out.sel, out.result, out.norm, out.lr, out.void)
 
     def _orthogonalize(
         self, g: GroupStep, owned: torch.Tensor, backend: Backend, tall: bool, normalized: bool

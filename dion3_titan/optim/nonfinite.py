@@ -195,17 +195,18 @@ class NonfiniteGuard:
         self, result: torch.Tensor, void_in_kernel: bool = False, row_sq: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A Newton-Schulz result (B, n, m) with no non-finite matrix, and which matrices were
-        not finite (B,) (counted, on the device). A non-finite matrix becomes zero, so its update
+        not finite (B,), for ``count_ns``. A non-finite matrix becomes zero, so its update
         subtracts nothing, except with ``void_in_kernel``: the update kernel zeroes it itself
         (the caller passes it the returned flags), so no pass over the batch. ``row_sq``: the
         result's rows' sums of squares, if computed (then no pass of its own either)."""
         bad = nonfinite_matrices(result, row_sq)
-        self._count_ns(bad)
         if not void_in_kernel:
             result = torch.where(bad[:, None, None], torch.zeros_like(result), result)
         return result, bad
 
-    def _count_ns(self, bad: torch.Tensor) -> None:
+    def count_ns(self, bad: torch.Tensor) -> None:
+        """Add the matrices ``orthogonalized`` found not finite (B,) to the device counter
+        (``ns_events``). One stream at a time: the add reads and writes the counter."""
         if bad.numel():
             if self._ns_bad is None:
                 self._ns_bad = torch.zeros((), dtype=torch.int64, device=bad.device)

@@ -91,6 +91,20 @@ class Factors:
     decays: bool = True
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a shape group's step leaves for the step's counters (non-finite NS results, the
+    metrics): taken on the step's stream, group by group."""
+
+    g: GroupStep
+    sel: Selection
+    result: torch.Tensor  # (N, selected, C_local): this rank's rows of the NS results
+    norm: Normalized
+    lr: torch.Tensor
+    void: torch.Tensor | None  # matrices the update took as zero (in the kernel)
+    bad: torch.Tensor  # (N_owned,) NS results found not finite
+
+
 class Stages:
     """The stages whose implementation differs between the torch reference and the row engine."""
 
