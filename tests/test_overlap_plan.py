@@ -69,3 +69,20 @@ def test_ns_overlap_is_checked():
     p, q = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8, 4))
     with pytest.raises(ValueError, match="ns_overlap: every matrix param group must use the same value"):
         Dion3([{"params": [p]}, {"params": [q], "ns_overlap": False}])
+
+
+def test_lanes_are_decided_once_per_key():
+    opt = _opt([(64, 32), (1024, 1024)])
+    groups = list(opt.shape_groups)
+    calls = []
+
+    def cost(sg):
+        calls.append(sg)
+        return opt.ns_cost(sg)
+
+    ov = overlap.Overlap()
+    lanes = ov.lanes("plan", groups, cost, CUDA)
+    assert lanes == overlap.order(groups, opt.ns_cost) and calls
+    seen = len(calls)
+    assert ov.lanes("plan", groups, cost, CUDA) is lanes and len(calls) == seen  # no second decision
+    assert ov.lanes("cpu", groups, cost, torch.device("cpu")) is None

@@ -315,8 +315,10 @@ class Dion3(torch.optim.Optimizer):
                 account(self._step_group(sg, stats.get(id(sg)), factors[sg.group_index]))
 
         device = self._device()
-        if self.ns_overlap and overlap.applies(groups, self.ns_cost, device):
-            self._overlap.run(groups, self.ns_cost, device, pipeline, self._account)
+        key = (tuple(id(sg) for sg in groups), self._state_version)  # settings change with the state
+        lanes = self._overlap.lanes(key, groups, self.ns_cost, device) if self.ns_overlap else None
+        if lanes is not None:
+            self._overlap.run(lanes, device, pipeline, self._account)
         else:
             pipeline(groups, self._account)
 

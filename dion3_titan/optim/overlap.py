@@ -18,11 +18,12 @@ add shared tensors: the last group's are taken on the step stream once the strea
 
 It applies where no shape group's rows leave the process (one GPU): every collective stays on
 one stream in one order that way; and where the other groups' Newton-Schulz is small beside
-the last one's (``REST_SHARE_MAX``), as at f < 1. ``ns_overlap = false`` runs the groups one after another.
+the last one's (``REST_SHARE_MAX``), as at f < 1. The decision depends on the plan only and is
+made once per set of groups. ``ns_overlap = false`` runs the groups one after another.
 Measured: docs/benchmarks.md, "The costliest group on a stream of its own".
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -69,11 +70,12 @@ def applies(groups: Sequence[ShapeGroup], cost: Callable[[ShapeGroup], float], d
 
 
 class Overlap:
-    """The costliest group's own stream (one per device, made on first use) and the schedule
-    above."""
+    """The costliest group's own stream (one per device, made on first use), the lanes of each
+    set of groups, and the schedule above."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lanes: dict[Hashable, tuple[list[ShapeGroup], ShapeGroup] | None] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -81,17 +83,25 @@ class Overlap:
             self._streams[device] = torch.cuda.Stream(device, priority=-1)
         return self._streams[device]
 
+    def lanes(
+        self, key: Hashable, groups: Sequence[ShapeGroup], cost: Callable[[ShapeGroup], float], device: torch.device
+    ) -> tuple[list[ShapeGroup], ShapeGroup] | None:
+        """``order(groups)`` where the step ``applies``, else None; decided once per ``key``
+        (the caller's name for this set of groups and their settings), not every step."""
+        if key not in self._lanes:
+            self._lanes[key] = order(groups, cost) if applies(groups, cost, device) else None
+        return self._lanes[key]
+
     def run(
         self,
-        groups: Sequence[ShapeGroup],
-        cost: Callable[[ShapeGroup], float],
+        lanes: tuple[list[ShapeGroup], ShapeGroup],
         device: torch.device,
         pipeline: Callable[[list[ShapeGroup], Callable[[Outcome], None]], None],
         account: Callable[[Outcome], None],
     ) -> None:
-        """One step of ``groups`` (``applies``): ``pipeline(lane, account)`` runs a list of
+        """One step of ``lanes`` (from ``lanes``): ``pipeline(lane, account)`` runs a list of
         groups from accumulate to update and hands each group's outcome to ``account``."""
-        rest, last = order(groups, cost)
+        rest, last = lanes
         step, own = torch.cuda.current_stream(device), self.stream(device)
         later: list[Outcome] = []
         own.wait_stream(step)
