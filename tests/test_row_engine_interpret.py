@@ -281,26 +281,51 @@ def _group_checks() -> list[dict]:
                     }
                 )
 
-    # gather + normalize + cast (and NorMuon's row state), into poisoned buffers
+    # gather + normalize + cast (and NorMuon's row state), into poisoned buffers; with ``mu``
+    # the gathered momentum rows decay in place (error feedback), unless ``ok`` is False
     R, C, K, C_out = 23, 70, 9, 72
+    mu = 0.95
     for layouts, batches in GROUPS:
-        for mode in ("rows", "rows+keep", "every"):
+        for mode, decay_ok in (
+            ("rows", None),
+            ("rows+keep", None),
+            ("every", None),
+            ("rows+keep", "none"),
+            ("rows+keep", True),
+            ("rows+keep", False),
+            ("every", True),
+        ):
             N, every = sum(batches), mode == "every"
             n = R if every else K - 2  # ragged: fewer rows than K
             kk = max(K, n)
             ms = _members(torch.float32, layouts, batches, R, C)
+            before = [m.clone() for m in ms]
             rows = None if every else torch.stack([torch.randperm(R)[:n].sort().values for _ in range(N)])
             keep = torch.rand(N, n) > 0.3 if mode == "rows+keep" else None
             den = torch.rand(N) + 0.5
             active = [i != 1 for i in range(len(ms))]
             dest = torch.full((N, kk, C_out), float("nan")).half()
-            rk.gather_rows_group(ms, rows, dest, keep, den, active, cache)
-            picked = torch.cat(ms) if every else torch.cat([take_rows(m, rows[s]) for m, s in zip(ms, spans(batches))])
+            decay = {} if decay_ok is None else {"mu": mu, "ok": None if decay_ok == "none" else torch.tensor(decay_ok)}
+            rk.gather_rows_group(ms, rows, dest, keep, den, active, cache, **decay)
+            whole = torch.cat(before)
+            picked = (
+                whole.clone() if every else torch.cat([take_rows(m, rows[s]) for m, s in zip(before, spans(batches))])
+            )
             if keep is not None:
                 picked = picked * keep.unsqueeze(-1)
             for s, a in zip(spans(batches), active):
                 if not a:
                     picked[s] = 0
+            want_m = whole.clone()  # the momentum after the launch
+            if decay and decay_ok is not False:
+                hit = torch.zeros(N, R, dtype=torch.bool)  # rows gathered: selected, kept, active
+                if every:
+                    hit[:] = True
+                else:
+                    hit.scatter_(1, rows, torch.ones_like(rows, dtype=torch.bool) if keep is None else keep)
+                for s, a in zip(spans(batches), active):
+                    hit[s] &= a
+                want_m = torch.where(hit.unsqueeze(-1), whole * torch.tensor(mu), whole)
             padded = torch.nn.functional.pad(picked, (0, C_out - C, 0, kk - n))
             ref = torch.div(padded, den[:, None, None], out=torch.empty_like(padded, dtype=torch.float16))
             states = _row_state(batches, R)
@@ -310,8 +335,9 @@ def _group_checks() -> list[dict]:
             out.append(
                 {
                     "check": "group_gather",
-                    "case": f"{layouts},{batches},{mode}",
-                    "bitwise": bool(torch.equal(dest, ref) and torch.equal(v, v_ref)),
+                    "case": f"{layouts},{batches},{mode},decay_ok={decay_ok}",
+                    "bitwise": bool(torch.equal(dest, ref) and torch.equal(v, v_ref))
+                    and torch.equal(torch.cat(ms), want_m),
                 }
             )
 

@@ -522,6 +522,8 @@ def _gather_rows_kernel(
     keep_ptr,
     den_ptr,
     out_ptr,
+    ok_ptr,
+    mu,
     num_sel,
     num_cols,
     out_rows,
@@ -536,6 +538,8 @@ def _gather_rows_kernel(
     EVERY: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_DEN: tl.constexpr,
+    DECAY_M: tl.constexpr,
+    HAS_OK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -554,6 +558,11 @@ def _gather_rows_kernel(
     mask = live[:, None] & (cols[None, :] < num_cols)
     m_ptrs = m_ptr + m_off + src.to(tl.int64)[:, None] * m_sr + cols[None, :].to(tl.int64) * m_sc
     x = tl.load(m_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if DECAY_M:  # error feedback while the rows are in registers: the update need not read them
+        decays = mask
+        if HAS_OK:  # a step judged not finite leaves the momentum as it is
+            decays = decays & _per_row(tl.load(ok_ptr), BLOCK_R)[:, None]
+        tl.store(m_ptrs, round_to(x * mu, m_ptr.dtype.element_ty, INTERPRET), mask=decays)
     if HAS_DEN:
         x = tl.div_rn(x, tl.load(den_ptr + n))  # IEEE division, as torch divides
     out_mask = (j < out_rows)[:, None] & (cols[None, :] < out_cols)
@@ -569,12 +578,17 @@ def gather_rows_group(
     denominator: torch.Tensor | None = None,
     active: Sequence[bool] | None = None,
     cache: TableCache = TABLES,
+    mu: float | None = None,
+    ok: torch.Tensor | None = None,
 ) -> None:
     """out (N, K, C_out) <- rows ``rows`` (N, n) of the views ms (B_i, R, C) (N = sum B_i, in
     order; None: every row, in order), divided by ``denominator`` (N,) float32 when given,
     rounded once to out's dtype. Rows past n, columns past C, rows whose ``keep`` (N, n) is
     False, and every row of a view whose ``active`` entry is False are written as zeros: out
-    needs no clearing. One launch."""
+    needs no clearing. With ``mu`` the rows gathered (those written as they are, not as zeros)
+    are then multiplied by it in place, one rounding (the error feedback of
+    ``update_rows_group``'s momenta), unless the 0-dim ``ok`` is zero. Gathered rows must be
+    distinct. One launch."""
     N, (R, C) = sum(m.shape[0] for m in ms), ms[0].shape[1:]
     _, K, C_out = out.shape
     n = R if rows is None else rows.shape[1]
@@ -599,6 +613,8 @@ def gather_rows_group(
         keep if keep is not None else idx,
         denominator if denominator is not None else out,
         out,
+        _flag(ok) if ok is not None else out,
+        float(mu) if mu is not None else 1.0,
         n,
         C,
         K,
@@ -610,6 +626,8 @@ def gather_rows_group(
         EVERY=rows is None,
         HAS_KEEP=keep is not None,
         HAS_DEN=denominator is not None,
+        DECAY_M=mu is not None,
+        HAS_OK=ok is not None and mu is not None,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         INTERPRET=interpreting(),

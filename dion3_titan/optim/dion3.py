@@ -333,7 +333,7 @@ class Dion3(torch.optim.Optimizer):
         agree = replicas.agree if replicas is not None and replicas.mean else None  # compressed sync
         sel = self.selector.select(sg, g.cfg, g.momenta, None if stats is None else stats.l1, agree)  # 2. select
         tall = is_tall(sg, g.cfg)
-        packed = stages.pack(g, sel, stats, moves, tall)  # 3. pack
+        packed = stages.pack(g, sel, stats, moves, tall, factors)  # 3. pack
         owned, owned_v = packed.x, packed.row_data
         if moves:  # 4. exchange: the rows to their owners
             owned, owned_v = sg.exchange.gather(owned, owned_v)

@@ -84,12 +84,16 @@ def pack(
     eps: float = 0.0,
     transposed: bool = False,
     tables: TableCache = TABLES,
+    mu: float | None = None,
+    ok: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The group's (N, K, C) batch in ``dtype``, in one launch: each member's selected rows
     (``rows`` (N, n), None: all rows in order), zero-padded; rows with ``valid`` (N, n) False
     and inactive members (no gradient) are zero. With ``sq`` (N, R) row sums of squares each
     matrix is divided by its Frobenius norm + eps (the NS input, ``orthogonalize``'s
-    normalization). ``transposed``: the batch is laid out column-major (for transposed views)."""
+    normalization). ``transposed``: the batch is laid out column-major (for transposed views).
+    ``mu``: the error feedback, the rows packed (valid, of active members) times ``mu`` in
+    place after they are read, unless ``ok`` (0-dim) is zero: ``update`` then gets no momenta."""
     n, kk, c = shape
     device = views[0].device
     out = (
@@ -107,7 +111,7 @@ def pack(
                 picked = picked * valid
             ss = picked.sum(dim=1)
         den = ss.sqrt() + eps
-    rk.gather_rows_group(views, rows, out, keep=valid, denominator=den, active=active, cache=tables)
+    rk.gather_rows_group(views, rows, out, keep=valid, denominator=den, active=active, cache=tables, mu=mu, ok=ok)
     return out
 
 
@@ -154,7 +158,7 @@ def applied_rows(rows: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor
 
 def update(
     weights: Sequence[torch.Tensor],
-    momenta: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor] | None,
     result: torch.Tensor,
     slot: torch.Tensor | None,
     lr: torch.Tensor,
@@ -171,7 +175,8 @@ def update(
     rows: torch.Tensor | None = None,
 ) -> None:
     """update.apply_update of a whole shape group (+ the flavor's epilogue when ``den``/
-    ``scale`` are given, + its new per-row state) in one pass; ``slot`` from ``slots`` (None:
+    ``scale`` are given, + its new per-row state) in one pass (``momenta`` None: their error
+    feedback was applied by ``pack``); ``slot`` from ``slots`` (None:
     every row, in order, f = 1); member i's learning rate is ``lr * lr_scales[i]``; ``decay``
     None: no weight decay (the rows that are not selected stay unread), and then ``rows``
     from ``applied_rows`` may replace ``slot``: the launch visits the selected rows only."""

@@ -124,10 +124,14 @@ class Stages:
         tables are registered there (optim/moving_grads.py); the rest stay where they are."""
         raise NotImplementedError
 
-    def pack(self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool) -> Packed:
+    def pack(
+        self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool, factors: Factors
+    ) -> Packed:
         """3. The selected rows of the group's momentum (and per-row data), zero-padded to the
         group's fixed block. ``moves``: the batch goes to other ranks (else it is this rank's
-        own NS batch); ``tall``: NS works on its transpose."""
+        own NS batch); ``tall``: NS works on its transpose. An implementation may apply the
+        error feedback (the selected momentum rows times ``factors.mu``) here, where it reads
+        those rows anyway; its ``update`` then leaves the momentum alone."""
         raise NotImplementedError
 
     def voids_in_kernel(self, moves: bool) -> bool:
@@ -164,7 +168,8 @@ class Stages:
         void: torch.Tensor | None,
     ) -> None:
         """8. Weight decay on every row, the update of the selected rows (one rounding), the
-        error-feedback decay of their momentum and the flavor's new per-row state. ``result``
+        error-feedback decay of their momentum (unless ``pack`` applied it) and the flavor's new
+        per-row state. ``result``
         (N, selected, C_local): this rank's rows of the results; ``row_data`` their per-row data."""
         raise NotImplementedError
 

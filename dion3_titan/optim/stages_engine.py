@@ -48,10 +48,15 @@ class RowEngineStages(Stages):
         )
         return stats
 
-    def pack(self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool) -> Packed:
+    def pack(
+        self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool, factors: Factors
+    ) -> Packed:
         """Selected rows straight into the NS batch at the backend's Gram side (zero rows past
         k), normalized and cast, when nothing moves; else into the zero-padded send buffer (the
-        owner normalizes)."""
+        owner normalizes). Either way the same launch applies the error feedback to the rows
+        it reads (4 bytes per selected element written here instead of 8 read and written by
+        the update)."""
+        mu, ok = factors.momentum, g.guard.ok
         sg, cfg, views = g.sg, g.cfg, g.momenta
         row_data = None
         if g.row_states is not None:  # the flavor's per-row state travels with the rows
@@ -63,13 +68,12 @@ class RowEngineStages(Stages):
             transposed = sel.every_row and is_transposed_batch(views)
             shape = (sg.batch, side, sg.cols)
             x = engine.pack(
-                views, rows, sel.valid, g.active, shape, g.ns.dtype, stats.sq, g.ns.eps, transposed, g.tables
+                views, rows, sel.valid, g.active, shape, g.ns.dtype, stats.sq, g.ns.eps, transposed, g.tables, mu, ok
             )
             return Packed(x, row_data, True)
         shape = (sg.batch, sg.k, sg.cols)
-        return Packed(
-            engine.pack(views, rows, sel.valid, g.active, shape, views[0].dtype, tables=g.tables), row_data, False
-        )
+        x = engine.pack(views, rows, sel.valid, g.active, shape, views[0].dtype, tables=g.tables, mu=mu, ok=ok)
+        return Packed(x, row_data, False)
 
     def voids_in_kernel(self, moves: bool) -> bool:
         return not moves
@@ -117,7 +121,7 @@ class RowEngineStages(Stages):
             row_state = engine.RowState(g.row_states, row_data[:, : sg.selected].float())
         engine.update(
             g.weights,
-            g.momenta,
+            None,  # the error feedback was applied by pack
             result,
             slot,
             factors.lr,

@@ -41,7 +41,9 @@ class ReferenceStages(Stages):
         guard.accumulate([momentum(m.param) for m, _ in pairs], [grad for _, grad in pairs])
         return {}
 
-    def pack(self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool) -> Packed:
+    def pack(
+        self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool, factors: Factors
+    ) -> Packed:
         sg, views = g.sg, g.momenta
         row_data = None
         if g.row_states is not None:  # the flavor's per-row state travels with the rows
