@@ -9,12 +9,13 @@ covers all members and the launch count of a step does not grow with the number 
 * ``accumulate_scores``: M += G, and each row's l1 norm (selection) and sum of squares (so the
   Frobenius norm of the selected rows needs no second read of M), in one pass.
 * ``gather_rows``: the selected rows of M straight into the zero-padded Newton-Schulz batch or
-  send buffer, divided by a per-matrix denominator (the normalization) and cast once; also
-  NorMuon's per-row second moment of the selected rows.
+  send buffer, divided by a per-matrix denominator (the normalization) and cast once, and
+  M[sel] *= mu (error feedback) while those rows are in registers; also NorMuon's per-row
+  second moment of the selected rows.
 * ``update_rows``: W <- decay * W on every row (without weight decay, the selected rows alone
-  are read and written), W[sel] -= lr * lr_scale * U with one rounding,
-  M[sel] *= mu (error feedback), the NorMuon epilogue U = (O / d_row) * s_matrix, and the new
-  second moment of the selected rows, in one pass.
+  are read and written), W[sel] -= lr * lr_scale * U with one rounding, the NorMuon epilogue
+  U = (O / d_row) * s_matrix, and the new second moment of the selected rows, in one pass
+  (it can also apply the error feedback, for a caller whose gather did not).
 
 The arithmetic follows the torch reference path operation for operation (no FMA contraction),
 so float32 state comes out bit-identical where the reference rounds once. Everything here runs
