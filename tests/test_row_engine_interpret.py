@@ -344,12 +344,17 @@ def _group_checks() -> list[dict]:
     # update + error feedback + NorMuon epilogue and row state + gates
     R, C, k = 29, 70, 6
     lr, decay, mu = torch.tensor(0.0173), torch.tensor(0.98), 0.95
-    # without weight decay (decay None) the launch walks the selected rows only (``rows``)
-    for dtype, decays in ((torch.float32, True), (torch.bfloat16, True), (torch.float32, False)):
+    # without weight decay (decay None) the launch walks the selected rows only (``rows``);
+    # ``split``: so does it with weight decay, the other rows decayed by a launch of their own
+    cases = ((torch.float32, True, False), (torch.bfloat16, True, False), (torch.float32, False, False))
+    cases += ((torch.float32, True, True), (torch.bfloat16, True, True))
+    for dtype, decays, split in cases:
         decay_arg, decay_ref = (decay, decay) if decays else (None, torch.tensor(1.0))
         for layouts, batches in GROUPS:
             for mode in ("plain", "valid", "every", "normuon", "skip", "void"):
                 N, every = sum(batches), mode == "every"
+                if split and every:
+                    continue  # every row is selected: nothing to split off
                 kk = R if every else k
                 ws = _members(dtype, layouts, batches, R, C)
                 moms = _members(torch.float32, layouts, batches, R, C)
@@ -388,9 +393,12 @@ def _group_checks() -> list[dict]:
                         new = v_new[s] if valid is None else torch.where(valid[s], v_new[s], old)
                         v_ref[i].scatter_(1, rows[s], new)
                 slot = None if every or not decays else engine.slots(rows, valid, R)
-                applied_rows = None if every or decays else engine.applied_rows(rows, valid)
+                applied_rows = None if every or (decays and not split) else engine.applied_rows(rows, valid)
                 row_state = None if v_new is None else rk.RowState(states, v_new)
                 ok = torch.tensor(mode != "skip")
+                if split:
+                    rk.decay_unselected_group(ws, slot, decay_arg, ok, active, cache)
+                    slot = None
                 rk.update_rows_group(
                     ws,
                     moms,
@@ -413,7 +421,7 @@ def _group_checks() -> list[dict]:
                 out.append(
                     {
                         "check": "group_update",
-                        "case": f"{dtype},{layouts},{batches},k={kk},{mode},decay={decays}",
+                        "case": f"{dtype},{layouts},{batches},k={kk},{mode},decay={decays},split={split}",
                         "bitwise": all(same),
                     }
                 )

@@ -686,6 +686,7 @@ def _update_rows_kernel(
     M_ALIGN: tl.constexpr,
     EVERY: tl.constexpr,
     BY_SLOT: tl.constexpr,
+    UNSELECTED: tl.constexpr,
     NORMUON: tl.constexpr,
     HAS_OK: tl.constexpr,
     HAS_VOID: tl.constexpr,
@@ -730,6 +731,8 @@ def _update_rows_kernel(
         if HAS_OK:
             decay = tl.where(tl.load(ok_ptr).to(tl.int32) != 0, decay, 1.0)
         w_mask = mask
+        if UNSELECTED:  # the decay of the rows the selection leaves (the others: a BY_SLOT launch)
+            w_mask = (row_ok & (slot < 0))[:, None] & (cols[None, :] < num_cols)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         # The reference's roundings, (w * decay) - (lr * u); the launch disables FMA contraction.
         new = w * decay
@@ -737,25 +740,26 @@ def _update_rows_kernel(
         w_mask = sel_mask
         new = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
     # Most tiles hold no selected row (f < 1): they only decay, with no update arithmetic.
-    if tl.max(selected.to(tl.int32), axis=0) > 0:
-        u = tl.load(u_ptr + n * s_ub + slot64[:, None] * s_uk + cols64 * s_uc, mask=sel_mask, other=0.0)
-        u = u.to(tl.float32)
-        if NORMUON:  # the reference's o_hat = (o / (sqrt(v) + eps)) * (||o|| / ||o_hat||)
-            den = tl.load(den_ptr + n * s_db + slot64 * s_dk, mask=selected, other=1.0)
-            u = tl.div_rn(u, den[:, None]) * tl.load(scale_ptr + n)  # IEEE division, as torch
-        if HAS_VOID:  # a matrix whose result was not finite gets a zero update (as if O were 0)
-            u = tl.where(_per_row(tl.load(void_ptr + n), BLOCK_R)[:, None], 0.0, u)
-        new = tl.where(selected[:, None], new - lr * u, new)
-        if DECAY_M:  # error feedback: only the selected momentum rows decay
-            m_off, m_sr, m_sc, _ = _view(m_tab, n, M_LAYOUT, M_ALIGN)
-            m_ptrs = m_ptr + m_off + rows64 * m_sr + cols64 * m_sc
-            m = tl.load(m_ptrs, mask=sel_mask, other=0.0).to(tl.float32)
-            tl.store(m_ptrs, round_to(m * mu, m_ptr.dtype.element_ty, INTERPRET), mask=sel_mask)
-        if HAS_V:  # NorMuon's new second moment of the selected rows, by the first column block
-            v_sel = selected & _per_row(tl.program_id(2) == 0, BLOCK_R)
-            v_off, v_sr, _, _ = _view(v_tab, n, 1, 1)  # (B, R, 1) views: the column is 0
-            v = tl.load(v_new_ptr + n * s_nb + slot64 * s_nk, mask=v_sel, other=0.0)
-            tl.store(v_ptr + v_off + rows.to(tl.int64) * v_sr, v.to(v_ptr.dtype.element_ty), mask=v_sel)
+    if not UNSELECTED:
+        if tl.max(selected.to(tl.int32), axis=0) > 0:
+            u = tl.load(u_ptr + n * s_ub + slot64[:, None] * s_uk + cols64 * s_uc, mask=sel_mask, other=0.0)
+            u = u.to(tl.float32)
+            if NORMUON:  # the reference's o_hat = (o / (sqrt(v) + eps)) * (||o|| / ||o_hat||)
+                den = tl.load(den_ptr + n * s_db + slot64 * s_dk, mask=selected, other=1.0)
+                u = tl.div_rn(u, den[:, None]) * tl.load(scale_ptr + n)  # IEEE division, as torch
+            if HAS_VOID:  # a matrix whose result was not finite gets a zero update (as if O were 0)
+                u = tl.where(_per_row(tl.load(void_ptr + n), BLOCK_R)[:, None], 0.0, u)
+            new = tl.where(selected[:, None], new - lr * u, new)
+            if DECAY_M:  # error feedback: only the selected momentum rows decay
+                m_off, m_sr, m_sc, _ = _view(m_tab, n, M_LAYOUT, M_ALIGN)
+                m_ptrs = m_ptr + m_off + rows64 * m_sr + cols64 * m_sc
+                m = tl.load(m_ptrs, mask=sel_mask, other=0.0).to(tl.float32)
+                tl.store(m_ptrs, round_to(m * mu, m_ptr.dtype.element_ty, INTERPRET), mask=sel_mask)
+            if HAS_V:  # NorMuon's new second moment of the selected rows, by the first column block
+                v_sel = selected & _per_row(tl.program_id(2) == 0, BLOCK_R)
+                v_off, v_sr, _, _ = _view(v_tab, n, 1, 1)  # (B, R, 1) views: the column is 0
+                v = tl.load(v_new_ptr + n * s_nb + slot64 * s_nk, mask=v_sel, other=0.0)
+                tl.store(v_ptr + v_off + rows.to(tl.int64) * v_sr, v.to(v_ptr.dtype.element_ty), mask=v_sel)
     tl.store(w_ptrs, round_to(new, w_ptr.dtype.element_ty, INTERPRET), mask=w_mask)
 
 
@@ -808,9 +812,10 @@ def update_rows_group(
 ) -> None:
     """In place on the weight and momentum views (B_i, R, C) (N = sum B_i, in order): every
     weight row times ``decay``; the selected rows (``slot`` (N, R) from ``row_slots``; None:
-    every row, update row r for weight row r; or, without weight decay, ``rows`` (N, k) from
-    ``applied_rows``, the row of each update row, and then only those rows are visited: a
-    launch over every row would leave (1 - f) of its programs idle) minus
+    every row, update row r for weight row r; or ``rows`` (N, k) from ``applied_rows``, the
+    row of each update row, and then only those rows are visited: a launch over every row
+    would leave (1 - f) of its programs idle; with weight decay the other rows are then left
+    to ``decay_unselected_group``) minus
     ``lr * lr_scales[i] * U``, one rounding;
     their momentum rows times ``mu`` (skipped when momenta is None); their ``row_state`` rows
     set to its new values. U = update (N, k, C+) in float32, or with ``row_denominator``
@@ -829,11 +834,10 @@ def update_rows_group(
         raise ValueError(f"update_rows: update {tuple(update.shape)} does not cover {N} x {R} x {C}")
     if slot is not None and slot.shape != (N, R):
         raise ValueError(f"update_rows: slot must be ({N}, {R}), got {tuple(slot.shape)}")
-    if rows is not None and (slot is not None or decay is not None or rows.shape != (N, k)):
+    if rows is not None and (slot is not None or rows.shape != (N, k)):
         raise ValueError(
-            f"update_rows: rows ({N}, {k}) replaces slot, and only without weight decay; got rows "
-            f"{tuple(rows.shape)}, slot {'given' if slot is not None else None}, decay "
-            f"{'given' if decay is not None else None}"
+            f"update_rows: rows ({N}, {k}) replaces slot; got rows {tuple(rows.shape)}, slot "
+            f"{'given' if slot is not None else None}"
         )
     index = rows if rows is not None else slot
     normuon = row_denominator is not None
@@ -889,6 +893,7 @@ def update_rows_group(
         M_ALIGN=mo.align,
         EVERY=every,
         BY_SLOT=rows is not None,
+        UNSELECTED=False,
         NORMUON=normuon,
         HAS_OK=ok is not None,
         HAS_VOID=void is not None,
@@ -896,6 +901,80 @@ def update_rows_group(
         HAS_DECAY=decay is not None,
         HAS_LR_SCALE=scales is not None,
         HAS_V=row_state is not None,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        INTERPRET=interpreting(),
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+
+
+def decay_unselected_group(
+    weights: Sequence[torch.Tensor],
+    slot: torch.Tensor,
+    decay: torch.Tensor,
+    ok: torch.Tensor | None = None,
+    active: Sequence[bool] | None = None,
+    cache: TableCache = TABLES,
+) -> None:
+    """W <- decay * W on the rows of the weight views (B_i, R, C) that ``slot`` (N, R) from
+    ``row_slots`` leaves out (-1), one rounding, in one launch: with ``update_rows_group``'s
+    ``rows`` launch over the selected rows, the same result as its launch over every row, in
+    two parts that touch disjoint rows (they may run on two streams). ``decay`` and ``ok`` as
+    there (a step judged not finite leaves every row as it is)."""
+    N, (R, C) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
+    if slot.shape != (N, R):
+        raise ValueError(f"decay_unselected: slot must be ({N}, {R}), got {tuple(slot.shape)}")
+    if N == 0 or R == 0 or C == 0:
+        return
+    wo = operand(weights, active, cache)
+    block_r, block_c, warps = _tiles("update", wo.layout, wo.layout)
+    block_c = min(block_c, next_power_of_2(C))
+    launch(
+        _update_rows_kernel,
+        (N, cdiv(R, block_r), cdiv(C, block_c)),
+        wo.base,
+        wo.table,
+        wo.base,
+        wo.table,
+        wo.base,
+        wo.table,
+        decay,  # the update, state and factors are never read
+        slot,
+        decay,
+        decay,
+        decay,
+        decay,
+        decay,
+        decay,
+        _flag(ok) if ok is not None else decay,
+        decay,
+        1.0,
+        R,
+        0,
+        C,
+        0,
+        0,
+        0,
+        *slot.stride(),
+        0,
+        0,
+        0,
+        0,
+        W_LAYOUT=wo.layout,
+        W_ALIGN=wo.align,
+        M_LAYOUT=wo.layout,
+        M_ALIGN=wo.align,
+        EVERY=False,
+        BY_SLOT=False,
+        UNSELECTED=True,
+        NORMUON=False,
+        HAS_OK=ok is not None,
+        HAS_VOID=False,
+        DECAY_M=False,
+        HAS_DECAY=True,
+        HAS_LR_SCALE=False,
+        HAS_V=False,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         INTERPRET=interpreting(),

@@ -28,7 +28,7 @@ from dion3_titan.optim.observe import Observer
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
 from dion3_titan.optim.selection import RowSelector, is_tall
 from dion3_titan.optim.split import split_pieces
-from dion3_titan.optim.stages import Factors, GroupStep, Outcome, RowStats, Stages
+from dion3_titan.optim.stages import Aside, Factors, GroupStep, Outcome, RowStats, Stages
 from dion3_titan.optim.stages_engine import RowEngineStages
 from dion3_titan.optim.stages_reference import ReferenceStages
 
@@ -309,10 +309,10 @@ class Dion3(torch.optim.Optimizer):
         self.selector.seed(groups, self._configs, self.param_groups)
         factors = {gi: self._step_factors(gi) for gi in dict.fromkeys(sg.group_index for sg in groups)}
 
-        def pipeline(lane: list[ShapeGroup], account: Callable[[Outcome], None]) -> None:
+        def pipeline(lane: list[ShapeGroup], account: Callable[[Outcome], None], aside: Aside | None = None) -> None:
             stats = self._accumulate(lane, moving)
             for sg in lane:
-                account(self._step_group(sg, stats.get(id(sg)), factors[sg.group_index]))
+                account(self._step_group(sg, stats.get(id(sg)), factors[sg.group_index], aside))
 
         device = self._device()
         key = (tuple(id(sg) for sg in groups), self._state_version)  # settings change with the state
@@ -327,11 +327,18 @@ class Dion3(torch.optim.Optimizer):
         cfg = self._configs[sg.group_index]
         return sg.batch * ns_flops(sg.k, sg.cols, cfg.ns_algorithm, cfg.ns_steps, cfg.ns_restarts, symmetric=True)
 
-    def _step_group(self, sg: ShapeGroup, stats: RowStats | None, factors: Factors) -> Outcome:
-        """Stages 2-8 of one shape group; returns what the step's counters take from it."""
+    def _step_group(
+        self, sg: ShapeGroup, stats: RowStats | None, factors: Factors, aside: Aside | None = None
+    ) -> Outcome:
+        """Stages 2-8 of one shape group; returns what the step's counters take from it.
+        ``aside``: takes work that needs nothing past the selection, to run beside the rest
+        (optim/overlap.py): here the weight decay of the rows not selected."""
         g, stages, moves, replicas = self._group_step(sg), self._stages(sg), sg.moves_data, sg.replicas
         agree = replicas.agree if replicas is not None and replicas.mean else None  # compressed sync
         sel = self.selector.select(sg, g.cfg, g.momenta, None if stats is None else stats.l1, agree)  # 2. select
+        rest_decayed = aside is not None and stages.splits_decay(sel, factors)
+        if rest_decayed:
+            aside(lambda: stages.decay_unselected(g, sel, factors))
         tall = is_tall(sg, g.cfg)
         packed = stages.pack(g, sel, stats, moves, tall, factors)  # 3. pack
         owned, owned_v = packed.x, packed.row_data
@@ -349,7 +356,7 @@ class Dion3(torch.optim.Optimizer):
         norm = stages.normalize(g, ortho, owned_v, void, moves, row_sq)  # 6. normalize (the flavor's)
         result, result_v = sg.exchange.scatter(norm.rows, norm.row_data)  # 7. exchange back
         result = result[:, : sg.selected, : sg.local_cols]
-        stages.update(g, sel, result, result_v, norm, factors, backend, void)  # 8. update
+        stages.update(g, sel, result, result_v, norm, factors, backend, void, rest_decayed)  # 8. update
         return Outcome(g, sel, result, norm, factors.lr, void, bad)
 
     def _account(self, out: Outcome) -> None:

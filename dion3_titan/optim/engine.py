@@ -156,6 +156,19 @@ def applied_rows(rows: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor
     return rk.applied_rows(rows, valid)
 
 
+def decay_unselected(
+    weights: Sequence[torch.Tensor],
+    slot: torch.Tensor,
+    decay: torch.Tensor,
+    ok: torch.Tensor | None,
+    active: Sequence[bool],
+    tables: TableCache = TABLES,
+) -> None:
+    """The weight decay of the rows ``slot`` (from ``slots``) leaves out, in one launch: with
+    ``update(rows=...)`` of the selected rows, the same as ``update`` over every row."""
+    rk.decay_unselected_group(weights, slot, decay, ok, active, tables)
+
+
 def update(
     weights: Sequence[torch.Tensor],
     momenta: Sequence[torch.Tensor] | None,
@@ -178,8 +191,9 @@ def update(
     ``scale`` are given, + its new per-row state) in one pass (``momenta`` None: their error
     feedback was applied by ``pack``); ``slot`` from ``slots`` (None:
     every row, in order, f = 1); member i's learning rate is ``lr * lr_scales[i]``; ``decay``
-    None: no weight decay (the rows that are not selected stay unread), and then ``rows``
-    from ``applied_rows`` may replace ``slot``: the launch visits the selected rows only."""
+    None: no weight decay (the rows that are not selected stay unread). ``rows`` from
+    ``applied_rows`` may replace ``slot``: the launch visits the selected rows only, and with
+    ``decay`` the other rows are ``decay_unselected``'s."""
     rk.update_rows_group(
         weights,
         momenta,

@@ -7,13 +7,17 @@ resources idle. On one GPU the shape group with the most NS FLOPs runs its whole
 (accumulate to update) on a stream of its own, at the highest priority, while the other groups
 run theirs on the step's stream:
 
-    own stream:   acc(last) pack(last) NS(last) ........................ update(last)
-    step stream:  acc(rest) | r1: pack NS update | r2: pack NS update | ...  | counters(last)
+    own stream:   acc(last) sel(last) pack(last) NS(last) ................. update(last, selected rows)
+    step stream:  acc(rest) | r1: pack NS update | r2: ... | decay(last, other rows) | counters(last)
 
 The own stream's persistent kernels leave ``sms_left`` SMs (a sixth) to the step stream, whose
-passes and small products run there beside them (kernels/tma.py, ``leave_sms``). Each group
-runs the kernels it runs alone, on its own inputs, so the results are bit-identical
-(tests/gpu/test_overlap.py). The step's counters (non-finite NS results, the metrics) read and
+passes and small products run there beside them (kernels/tma.py, ``leave_sms``). With weight
+decay, the last group's update is split where its stages allow it (``Stages.splits_decay``):
+the rows it did not select only decay, which needs nothing past its selection, so the step
+stream does that pass (most of the update's bytes at f < 1) beside its Newton-Schulz, and the
+update after it visits the selected rows alone. The two touch disjoint rows with the same
+arithmetic. Each group runs the kernels it runs alone, on its own inputs, so the results are
+bit-identical (tests/gpu/test_overlap.py). The step's counters (non-finite NS results, the metrics) read and
 add shared tensors: the last group's are taken on the step stream once the streams have joined.
 
 It applies where no shape group's rows leave the process (one GPU): every collective stays on
@@ -29,7 +33,7 @@ import torch
 
 from dion3_titan.dist.plan import ShapeGroup
 from dion3_titan.kernels.tma import leave_sms, num_sms
-from dion3_titan.optim.stages import Outcome
+from dion3_titan.optim.stages import Aside, Outcome
 
 # Share of the SMs the own stream's persistent kernels leave to the step stream: on one H200
 # (132 SMs), 16 and 24 were the fastest of 0, 8, 16, 24 and 32 at the llama3-1B and 7B shapes
@@ -96,18 +100,30 @@ class Overlap:
         self,
         lanes: tuple[list[ShapeGroup], ShapeGroup],
         device: torch.device,
-        pipeline: Callable[[list[ShapeGroup], Callable[[Outcome], None]], None],
+        pipeline: Callable[[list[ShapeGroup], Callable[[Outcome], None], Aside | None], None],
         account: Callable[[Outcome], None],
     ) -> None:
-        """One step of ``lanes`` (from ``lanes``): ``pipeline(lane, account)`` runs a list of
-        groups from accumulate to update and hands each group's outcome to ``account``."""
+        """One step of ``lanes`` (from ``lanes``): ``pipeline(lane, account, aside)`` runs a list
+        of groups from accumulate to update, hands each group's outcome to ``account`` and work
+        that may run beside it to ``aside``: the last group's goes to the step stream, after
+        the other groups' pipelines (while the last group's Newton-Schulz runs)."""
         rest, last = lanes
         step, own = torch.cuda.current_stream(device), self.stream(device)
         later: list[Outcome] = []
+        handed: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
+
+        def aside(work: Callable[[], None]) -> None:
+            ready = torch.cuda.Event()
+            ready.record(own)
+            handed.append((ready, work))
+
         own.wait_stream(step)
         with torch.cuda.stream(own), leave_sms(sms_left(device)):
-            pipeline([last], later.append)
-        pipeline(rest, account)
+            pipeline([last], later.append, aside)
+        pipeline(rest, account, None)
+        for ready, work in handed:
+            step.wait_event(ready)
+            work()
         step.wait_stream(own)
         # joined: the last group's counters, and its buffers may be freed (the own stream's
         # next work waits for everything the step stream has queued by then)

@@ -91,6 +91,11 @@ class Factors:
     decays: bool = True
 
 
+# Takes work of a shape group that may run beside the rest of its pipeline (on another stream:
+# optim/overlap.py) once everything queued before the hand-over is done.
+Aside = Callable[[Callable[[], None]], None]
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What a shape group's step leaves for the step's counters (non-finite NS results, the
@@ -156,6 +161,15 @@ class Stages:
         zero; ``row_sq``: ``result_row_sums``)."""
         raise NotImplementedError
 
+    def splits_decay(self, sel: Selection, factors: Factors) -> bool:
+        """Whether the weight decay of the rows ``sel`` leaves out can run apart from the
+        update (``decay_unselected``, e.g. on another stream while the group's NS runs)."""
+        return False
+
+    def decay_unselected(self, g: GroupStep, sel: Selection, factors: Factors) -> None:
+        """The weight decay of the rows ``sel`` leaves out (where ``splits_decay``)."""
+        raise NotImplementedError
+
     def update(
         self,
         g: GroupStep,
@@ -166,10 +180,12 @@ class Stages:
         factors: Factors,
         backend: Backend,
         void: torch.Tensor | None,
+        rest_decayed: bool = False,
     ) -> None:
-        """8. Weight decay on every row, the update of the selected rows (one rounding), the
-        error-feedback decay of their momentum (unless ``pack`` applied it) and the flavor's new
-        per-row state. ``result``
+        """8. Weight decay on every row (on the selected ones only when ``rest_decayed``:
+        ``decay_unselected`` takes the others), the update of the selected rows (one
+        rounding), the error-feedback decay of their momentum (unless ``pack`` applied it) and
+        the flavor's new per-row state. ``result``
         (N, selected, C_local): this rank's rows of the results; ``row_data`` their per-row data."""
         raise NotImplementedError
 

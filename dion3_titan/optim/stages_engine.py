@@ -97,6 +97,13 @@ class RowEngineStages(Stages):
         rows, data = g.flavor.normalize(ortho, row_data, g.cfg, cols)
         return Normalized(rows, data)
 
+    def splits_decay(self, sel: Selection, factors: Factors) -> bool:
+        return factors.decays and not sel.every_row
+
+    def decay_unselected(self, g: GroupStep, sel: Selection, factors: Factors) -> None:
+        slot = engine.slots(sel.rows, sel.valid, g.sg.local_rows)
+        engine.decay_unselected(g.weights, slot, factors.decay, g.guard.ok, g.active, g.tables)
+
     def update(
         self,
         g: GroupStep,
@@ -107,12 +114,13 @@ class RowEngineStages(Stages):
         factors: Factors,
         backend: Backend,
         void: torch.Tensor | None,
+        rest_decayed: bool = False,
     ) -> None:
-        """The whole group's update, error feedback, epilogue and new per-row state in one launch
-        (a step with a non-finite gradient leaves weights, momentum and state as they are)."""
+        """The whole group's update, epilogue and new per-row state in one launch (a step with a
+        non-finite gradient leaves weights, momentum and state as they are)."""
         sg = g.sg
         slot = rows = None
-        if not sel.every_row and factors.decays:  # every weight row decays: the launch visits all
+        if not sel.every_row and factors.decays and not rest_decayed:  # every row decays: visit all
             slot = engine.slots(sel.rows, sel.valid, sg.local_rows)
         elif not sel.every_row:
             rows = engine.applied_rows(sel.rows, sel.valid)

@@ -88,8 +88,11 @@ class ReferenceStages(Stages):
         factors: Factors,
         backend: Backend,
         void: torch.Tensor | None,
+        rest_decayed: bool = False,
     ) -> None:
         """Each member's update with error feedback, then its per-row state written back."""
+        if rest_decayed:
+            raise ValueError("ReferenceStages.update: it decays every row itself (splits_decay is False)")
         rows_of, valid_of = sel.rows_of(g.members), sel.valid_of(g.members)
         for i, m in enumerate(g.members):
             if not g.active[i]:

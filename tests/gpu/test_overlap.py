@@ -51,23 +51,38 @@ def _train(model, ns_overlap: bool, graphed: bool, fraction: float, flavor: str,
 
 @pytest.mark.parametrize(
     "fraction,flavor,weight_decay,graphed",
-    [(0.25, "normuon", 0.0, True), (0.25, "normuon", 0.01, False), (1.0, "muon", 0.01, True)],
+    [
+        (0.25, "normuon", 0.0, True),
+        (0.25, "normuon", 0.01, False),
+        (0.25, "normuon", 0.01, True),
+        (1.0, "muon", 0.01, True),
+    ],
 )
 def test_overlapped_step_gives_the_sequential_bits(monkeypatch, fraction, flavor, weight_decay, graphed):
-    runs = []
-    real_run = overlap.Overlap.run
+    """With weight decay at f < 1 the last group's rows that are not selected decay on the
+    step stream (``decay_unselected``) while its update visits the selected rows alone."""
+    from dion3_titan.optim.stages_engine import RowEngineStages
+
+    runs, split = [], []
+    real_run, real_decay = overlap.Overlap.run, RowEngineStages.decay_unselected
 
     def counted(self, *args, **kwargs):
         runs.append(1)
         return real_run(self, *args, **kwargs)
 
+    def decay_counted(self, *args, **kwargs):
+        split.append(1)
+        return real_decay(self, *args, **kwargs)
+
     monkeypatch.setattr(overlap.Overlap, "run", counted)
+    monkeypatch.setattr(RowEngineStages, "decay_unselected", decay_counted)
     base = _model()
     steps = 6 if graphed else 3
     seq = _train(copy.deepcopy(base), False, graphed, fraction, flavor, weight_decay, steps)
     assert not runs
     over = _train(copy.deepcopy(base), True, graphed, fraction, flavor, weight_decay, steps)
     assert runs, "the overlapped schedule did not run"
+    assert bool(split) == (weight_decay > 0 and fraction < 1), f"decay split off {len(split)} times"
     for kind, a_list, b_list in (("parameter", seq[0], over[0]), ("momentum", seq[1], over[1])):
         for i, (a, b) in enumerate(zip(a_list, b_list)):
             assert torch.equal(a, b), f"{kind} {i} {tuple(a.shape)}: max diff {(a - b).abs().max().item():.3e}"
