@@ -17,8 +17,9 @@ the rows it did not select only decay, which needs nothing past its selection, s
 stream does that pass (most of the update's bytes at f < 1) beside its Newton-Schulz, and the
 update after it visits the selected rows alone. The two touch disjoint rows with the same
 arithmetic. Each group runs the kernels it runs alone, on its own inputs, so the results are
-bit-identical (tests/gpu/test_overlap.py). The step's counters (non-finite NS results, the metrics) read and
-add shared tensors: the last group's are taken on the step stream once the streams have joined.
+bit-identical (tests/gpu/test_overlap.py). The step's counters (non-finite NS results, the
+metrics) read and add shared tensors: the last group's are taken on the step stream once the
+streams have joined.
 
 It applies where no shape group's rows leave the process (one GPU): every collective stays on
 one stream in one order that way; and where the other groups' Newton-Schulz is small beside
