@@ -124,9 +124,7 @@ class RowEngineStages(Stages):
             slot = engine.slots(sel.rows, sel.valid, sg.local_rows)
         elif not sel.every_row:
             rows = engine.applied_rows(sel.rows, sel.valid)
-        row_state = None
-        if g.row_states is not None:
-            row_state = engine.RowState(g.row_states, row_data[:, : sg.selected].float())
+        row_state = None if g.row_states is None else engine.RowState(g.row_states, row_data[:, : sg.selected].float())
         engine.update(
             g.weights,
             None,  # the error feedback was applied by pack
