@@ -933,34 +933,22 @@ def decay_unselected_group(
     launch(
         _update_rows_kernel,
         (N, cdiv(R, block_r), cdiv(C, block_c)),
-        wo.base,
-        wo.table,
-        wo.base,
-        wo.table,
-        wo.base,
-        wo.table,
-        decay,  # the update, state and factors are never read
+        # the update kernel's arguments in its order; UNSELECTED reads only the weights, the
+        # slot map, decay and ok: every other pointer is a stand-in, every other stride 0
+        *(wo.base, wo.table),  # weights
+        *(wo.base, wo.table, wo.base, wo.table),  # momenta, row state: not read
+        decay,  # update: not read
         slot,
+        *(decay, decay, decay),  # new row state, lr, lr scales: not read
         decay,
-        decay,
-        decay,
-        decay,
-        decay,
-        decay,
+        *(decay, decay),  # NorMuon's denominators and scales: not read
         _flag(ok) if ok is not None else decay,
-        decay,
-        1.0,
-        R,
-        0,
-        C,
-        0,
-        0,
-        0,
+        decay,  # void: not read
+        1.0,  # mu: not used
+        *(R, 0, C),  # rows, slots, columns
+        *(0, 0, 0),  # update strides
         *slot.stride(),
-        0,
-        0,
-        0,
-        0,
+        *(0, 0, 0, 0),  # denominator and row-state strides
         W_LAYOUT=wo.layout,
         W_ALIGN=wo.align,
         M_LAYOUT=wo.layout,
