@@ -14,8 +14,10 @@ The own stream's persistent kernels leave ``sms_left`` SMs (a sixth) to the step
 passes and small products run there beside them (kernels/tma.py, ``leave_sms``). With weight
 decay, the last group's update is split where its stages allow it (``Stages.splits_decay``):
 the rows it did not select only decay, which needs nothing past its selection, so the step
-stream does that pass (most of the update's bytes at f < 1) beside its Newton-Schulz, and the
-update after it visits the selected rows alone. The two touch disjoint rows with the same
+stream does that pass (most of the update's bytes at f < 1) after its own groups, and the update
+after the Newton-Schulz visits the selected rows alone. (Where the step stream's groups outlast
+the large Newton-Schulz, as at the llama3-1B and 7b shapes, that pass runs last, on the whole
+GPU: scripts/profile_timeline.py.) The two touch disjoint rows with the same
 arithmetic. Each group runs the kernels it runs alone, on its own inputs, so the results are
 bit-identical (tests/gpu/test_overlap.py). The step's counters (non-finite NS results, the
 metrics) read and add shared tensors: the last group's are taken on the step stream once the
