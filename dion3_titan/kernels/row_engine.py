@@ -68,9 +68,11 @@ class TableCache:
     ``capacity`` the least recently used entry goes, except entries a CUDA-graph capture
     used: the graph reads them on every replay, so they live as long as the cache.
 
-    A table is built from a pinned host tensor by an asynchronous copy. A capture cannot do
-    that (pinned allocation and pageable copies are not capturable), so a table missing
-    during a capture is an error: the eager warm-up step before a capture builds them all."""
+    A table is on the device once ``device_table`` returns, so a kernel on any stream may read
+    it (with ``ns_overlap`` a table built on one stream is read on the other). A capture cannot
+    copy from the host, so a table missing during a capture is an error: the eager warm-up step
+    before a capture builds them all. An evicted table may still be read by kernels queued on
+    another stream: eviction waits for the device first (it happens past ``capacity`` only)."""
 
     def __init__(self, capacity: int = 512) -> None:
         self.capacity = capacity
@@ -95,6 +97,8 @@ class TableCache:
             value = build()
             self.builds += 1
             self._entries[key] = value
+            if len(self._entries) > self.capacity and device.type == "cuda":
+                torch.cuda.synchronize(device)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
         if capturing:
@@ -102,14 +106,25 @@ class TableCache:
         return value
 
 
+_TABLE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def device_table(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A table on ``device``: from a pinned host tensor, copied asynchronously (the host
-    allocator keeps the pinned block until the copy is done)."""
+    """A table on ``device``, there when this returns: readable by a kernel on any stream.
+    The copy runs on a stream of its own that nothing else uses, so the host waits for the
+    copy alone, not for the work queued on the caller's stream (a copy queued there would reach
+    the device only after that work, while a kernel on another stream might read the table
+    before). Its memory comes from that stream's pool: no block whose last use is still queued
+    on another stream is handed to it."""
     host = torch.tensor(values, dtype=dtype, device="cpu")
     if device.type != "cuda":
         return host.to(device)
-    out = torch.empty(host.shape, dtype=dtype, device=device)
-    out.copy_(host.pin_memory(), non_blocking=True)
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _TABLE_STREAMS:
+        _TABLE_STREAMS[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(_TABLE_STREAMS[device]):
+        out = torch.empty(host.shape, dtype=dtype, device=device)
+        out.copy_(host)  # from pageable memory: returns once the copy is done
     return out
 
 

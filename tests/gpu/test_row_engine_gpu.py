@@ -112,3 +112,25 @@ def test_captured_step_reuses_the_eager_steps_tables(flavor):
         finals.append([p.detach().clone() for p in params])
     for a, b in zip(*finals):
         assert torch.equal(a, b)
+
+
+def test_table_built_behind_queued_work_is_readable_on_another_stream(seed) -> None:
+    """A kernel table is on the device when ``operand`` returns, even when the stream that built
+    it has work queued: with ``ns_overlap`` a table built on one stream is read on the other
+    (a copy queued behind that work would be read as whatever the memory held)."""
+    from dion3_titan.kernels.row_engine import TableCache, operand
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.empty(1 << 16, device="cuda")
+    starts = sorted(torch.randperm(1 << 10, generator=g)[:3].tolist())
+    views = [base[64 * s : 64 * s + 2 * 3 * 8].view(2, 3, 8) for s in starts]
+    expected = [[64 * (s - starts[0]) + 24 * i, 8, 1, 1] for s in starts for i in range(2)]
+    busy, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of work queued ahead of anything it is given
+        table = operand(views, cache=TableCache()).table
+    with torch.cuda.stream(reader):
+        seen = table.clone()
+    torch.cuda.synchronize()
+    assert seen.tolist() == expected, f"seed {seed}"
