@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 from dataclasses import dataclass, field
 
 import torch
+
+from benchmarks.timing import median_ms
 
 # torch.profiler's trace categories of device work
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -180,18 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU: it traces a replayed CUDA graph")
     runner, grads = build(a)
-    for _ in range(runner.graph_warmup + 3):  # eager steps, the capture, replays
-        grads.fill()
-        runner.step()
-    timed = []
-    for _ in range(a.steps):
-        grads.fill()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        runner.step()
-        end.record()
-        end.synchronize()
-        timed.append(start.elapsed_time(end))
+    # eager steps, the capture, replays; then replays timed, each on fresh gradients
+    timed = median_ms(runner.step, torch.device("cuda"), a.steps, runner.graph_warmup + 3, before=grads.fill)
     grads.fill()
     spans = trace_once(runner.step)
     runner.release()
@@ -199,10 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{torch.cuda.get_device_name()}, {a.model}{' ' + a.layers + ' layers' if a.layers else ''}, {a.flavor} "
         f"f={a.fraction:g}, {'own finiteness pass' if a.own_pass else 'norm given'}, "
-        f"{'one stream' if a.one_stream else 'ns_overlap'}: timed step {statistics.median(timed):.3f} ms "
+        f"{'one stream' if a.one_stream else 'ns_overlap'}: timed step {timed:.3f} ms "
         f"(median of {a.steps} replays)"
     )
     print("\n".join(report(summary, spans, a.top, a.list)))
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"timed_ms": timed, "spans": [vars(s) for s in spans], "args": vars(a)}, f)
+            json.dump({"timed_median_ms": timed, "spans": [vars(s) for s in spans], "args": vars(a)}, f)

@@ -64,12 +64,23 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on a GPU, perf_counter on a CPU)."""
+def median_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    reps: int = 10,
+    warmup: int = 3,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on a GPU, perf_counter on a CPU); ``before``
+    runs ahead of every call, untimed (fresh inputs)."""
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -65,3 +65,13 @@ def test_union_gaps_and_streams_match_a_grid(seed: int, draw: int) -> None:
 def test_no_device_work() -> None:
     s = summarize(device_spans([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 3}]))
     assert s.span_us == 0 and s.streams == {} and s.gaps == []
+
+
+def test_median_ms_runs_before_ahead_of_every_call() -> None:
+    import torch
+
+    from benchmarks.timing import median_ms
+
+    calls: list[str] = []
+    median_ms(lambda: calls.append("fn"), torch.device("cpu"), reps=3, warmup=2, before=lambda: calls.append("before"))
+    assert calls == ["before", "fn"] * 5
