@@ -1,6 +1,6 @@
 """benchmarks/timeline.py's arithmetic on synthetic traces (the tool itself needs a GPU): spans
 read from a chrome trace, per-stream use, the device's busy union and idle gaps, checked against
-a millisecond grid that marks every busy microsecond."""
+a grid of microseconds that marks every busy one."""
 
 import random
 
