@@ -152,7 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=15, help="untraced replays timed")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--list", type=int, default=300, help="list this many spans in time order")
-    p.add_argument("--out", default="", help="also write the timed median, the spans and the arguments to this JSON file")
+    p.add_argument(
+        "--out", default="", help="also write the timed median, the spans and the arguments to this JSON file"
+    )
     return p.parse_args(argv)
 
 
