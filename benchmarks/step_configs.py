@@ -61,7 +61,7 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
     for name, label, options in stack:
         configs.append(BenchConfig(name, label, "dion3", options))
         configs.append(BenchConfig(name + "+graph", label + " + CUDA graph", "dion3", options, graph=True))
-        if name == "dion3_f1/4":
+        if name in ("dion3_f1/4", "dion3_f1_gram"):
             configs.append(
                 BenchConfig(
                     name + "+graph+norm",
@@ -72,6 +72,7 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
                     given_norm=True,
                 )
             )
+        if name == "dion3_f1/4":
             configs.append(
                 BenchConfig(
                     name + "+graph+norm+1stream",

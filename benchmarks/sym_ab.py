@@ -86,18 +86,20 @@ def _sym_checked(fn, want: torch.Tensor, label: str) -> bool:
 
 
 def _with_cute(setting: str, fn):
-    """``fn`` run with one CuteDSL kernel setting switched, e.g. "STAGES=5" or "GROUP=16"."""
+    """``fn`` run with CuteDSL kernel settings switched, e.g. "STAGES=5" or "PAIR_MIN_N=256+GROUP=4"."""
     from dion3_titan.kernels import cute_symm
 
-    name, value = setting.split("=")
+    changes = {name: int(value) for name, value in (part.split("=") for part in setting.split("+"))}
 
     def run():
-        saved = getattr(cute_symm, name)
-        setattr(cute_symm, name, int(value))
+        saved = {name: getattr(cute_symm, name) for name in changes}
+        for name, value in changes.items():
+            setattr(cute_symm, name, value)
         try:
             return fn()
         finally:
-            setattr(cute_symm, name, saved)
+            for name, value in saved.items():
+                setattr(cute_symm, name, value)
 
     return run
 
@@ -140,7 +142,7 @@ def cute_and_quack(x, c, want, want_c, shape: str, cute_variants: list[str]) -> 
         print(f"quack unavailable: {exc}")
     ok = []
     for label, fn in found:
-        ref = want_c if label.endswith("addmm") else want
+        ref = want_c if "addmm" in label else want  # "cute_addmm(STAGES=3)" too
         if _sym_checked(lambda: fn(None), ref, f"{shape} {label}"):
             ok.append((label, fn))
     return ok
@@ -248,7 +250,7 @@ def main() -> None:
     parser.add_argument(
         "--cute-variants",
         default="",
-        help='comma-separated CuteDSL settings to time beside its defaults, e.g. "STAGES=5,GROUP=16"',
+        help='comma-separated CuteDSL settings to time beside its defaults, e.g. "STAGES=5,PAIR_MIN_N=256+GROUP=4"',
     )
     args = parser.parse_args()
     base = _load(args.baseline) if args.baseline else None

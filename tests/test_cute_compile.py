@@ -23,8 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Every (dtype, A's major, B^T's major, with C) that sym_gemm compiles for.
-CONFIGS = list(itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True]))
+# Every (dtype, A's major, B^T's major, with C, pair form) that sym_gemm compiles for.
+CONFIGS = list(itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True], [False, True]))
 
 # Compiles each configuration in a fresh process (CuteDSL reads its environment at import) and
 # prints, per configuration, how often each instruction of interest appears in the PTX (the
@@ -34,6 +34,8 @@ import json, re, sys
 from dion3_titan.kernels import cute_symm
 INSTRUCTIONS = {
     "wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.(\w+)\.",
+    "wgmma_wide": r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.(\w+)\.",
+    "multicast": r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.\S*multicast::cluster",
     "tma_load": r"cp\.async\.bulk\.tensor\.\dd\.shared::(?:cluster|cta)\.global\.",
     "tma_store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.",
     "stmatrix": r"stmatrix\.sync\.aligned\.m8n8\.x4\.(?:shared\.)?b16",
@@ -42,11 +44,13 @@ INSTRUCTIONS = {
     "setmaxnreg": r"setmaxnreg\.(?:inc|dec)\.",
 }
 found = {}
-for dtype, a_major, b_major, has_c in json.loads(sys.argv[1]):
-    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c).artifacts.PTX
+for dtype, a_major, b_major, has_c, pair in json.loads(sys.argv[1]):
+    stages = cute_symm.PAIR_STAGES if pair else cute_symm.STAGES
+    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair).artifacts.PTX
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
-    counts["wgmma_types"] = sorted(set(re.findall(INSTRUCTIONS["wgmma"], ptx)))
-    found[f"{dtype},{a_major},{b_major},{has_c}"] = counts
+    wgmma = INSTRUCTIONS["wgmma_wide" if pair else "wgmma"]
+    counts["wgmma_types"] = sorted(set(re.findall(wgmma, ptx)))
+    found[f"{dtype},{a_major},{b_major},{has_c},{pair}"] = counts
 print("PTX " + json.dumps(found))
 """
 
@@ -83,9 +87,13 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
     found = json.loads(line[4:])
     assert len(found) == len(CONFIGS)
     for config, counts in found.items():
-        dtype = config.split(",")[0]
+        dtype, pair = config.split(",")[0], config.endswith("True")
         expect_type = {"Float16": "f16", "BFloat16": "bf16"}[dtype]
         assert counts["wgmma_types"] == [expect_type], (config, counts)
-        for name in ("wgmma", "tma_load", "tma_store", "stmatrix", "stmatrix_trans", "setmaxnreg"):
+        # the pair form: 64 x 256 products per warpgroup, B's panel loaded once for both CTAs
+        shaped = ("wgmma_wide", "multicast") if pair else ("wgmma",)
+        for name in (*shaped, "tma_load", "tma_store", "stmatrix", "stmatrix_trans", "setmaxnreg"):
             assert counts[name] > 0, f"{config}: no {name} in the PTX ({counts})"
+        if not pair:
+            assert counts["wgmma_wide"] == counts["multicast"] == 0, (config, counts)
         assert counts["global_store"] == 0, f"{config}: the epilogue stores to global memory per thread ({counts})"

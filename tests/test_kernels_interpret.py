@@ -403,21 +403,26 @@ def test_select_backend_and_algorithm_on_cpu() -> None:
 
 def test_cute_window_counts_the_padded_gram_side() -> None:
     """The sides "auto" sends to CuteDSL on Hopper are those its products run at: 2752 rows are
-    padded to 2816, where Triton's wide tiles measured faster, so they stay on Triton."""
+    padded to 2816, where Triton's wide tiles measured faster, so they stay on Triton; from 3072
+    on, sides its pair tiles cover (multiples of 256) go to CuteDSL, others stay on Triton."""
     from dion3_titan.kernels import dispatch
     from dion3_titan.kernels.triton_ops import TritonOps
 
     pad = TritonOps().gram_side
-    assert [dispatch.prefers_cute(pad(n)) for n in (512, 1000, 1024, 1536, 2048, 2752, 2816, 4096)] == [
-        False,
-        True,  # padded to 1024
-        True,
-        True,
-        True,
-        False,
-        False,
-        False,
-    ]
+    sides = (512, 1000, 1024, 1536, 2048, 2752, 2816, 3072, 4096, 4224, 8192)
+    assert {n: dispatch.prefers_cute(pad(n)) for n in sides} == {
+        512: False,
+        1000: True,  # padded to 1024
+        1024: True,
+        1536: True,
+        2048: True,
+        2752: False,
+        2816: False,
+        3072: True,  # pair tiles
+        4096: True,
+        4224: False,  # a multiple of 128, not of 256
+        8192: True,
+    }
 
 
 def test_cute_module_imports_without_a_gpu() -> None:

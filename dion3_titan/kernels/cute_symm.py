@@ -15,6 +15,16 @@ construction. C (for alpha A B + beta C) comes by TMA into the row-major shared 
 producer loads it after the tile's last A/B slice, once the store warp has seen the previous
 tile's stores read that tile.
 
+The pair form (sides from PAIR_MIN_N on, multiples of 256): a cluster of two CTAs computes one
+256 x 256 tile of the lower triangle, each CTA 128 x 256 (each consumer warpgroup a 64 x 256
+wgmma). The B panel (256 rows) is shared: each CTA loads half of it by TMA and multicasts it to
+both, so a CTA loads 32 KB per k-slice for twice the products of a 128 x 128 tile (the L2 traffic
+per FLOP halves, which is what the 128 x 128 form is bound by at large sides). Consumers release
+a stage to both CTAs' producers. The epilogue takes the CTA tile as two 128 x 128 blocks through
+the same two shared tiles, one after the other; on the diagonal the block above it is dropped.
+With C, the second block of C comes into the column-major tile through C's transposed view (C is
+symmetric), and both blocks of C are read before either is overwritten.
+
 Limits (the backend falls back to Triton outside them): CUDA SM90 only, n a multiple of 128,
 k a multiple of 8 and each operand with a unit stride in its n or k mode (TMA's 16-byte rule).
 Kernels are compiled once per (dtype, operand majors, with C) and cached; shapes are dynamic.
@@ -39,12 +49,25 @@ TILE_K = 64  # k-slice per pipeline stage
 # B panel).
 GROUP = 8
 STAGES = 4  # 4 x 32 KB of A/B slices in shared memory, beside the 2 x 32 KB epilogue tiles
+# From a side of PAIR_MIN_N (a multiple of 256) on, two CTAs of a cluster compute a 256 x 256
+# tile, 128 x 256 each, the B panel loaded once for both (TMA multicast): half the loads per
+# product of a 128 x 128 tile. Their stages hold 48 KB (3 fit beside the epilogue tiles). At 2048
+# and 2816 they measured no faster than the 128 x 128 form or Triton, from 3072 on faster than
+# both (docs/benchmarks.md, "CuteDSL pair tiles").
+PAIR_MIN_N = 3072
+PAIR_STAGES = 3
+
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers
 _MMA_THREADS = 256
 _EPI_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA's)
 _STORE_WARP = 4  # first consumer warp: issues the epilogue's TMA stores
 _C_FREE_KT = 4  # mainloop steps before the epilogue tiles are freed for C (the stores take < 1)
 EPI_TILE = (TILE, 32)  # the epilogue's register-to-shared strips (CUTLASS's SM90 cooperative choice)
+
+
+def pairs(n: int) -> bool:
+    """Whether a product of side ``n`` runs in the pair form (module docstring)."""
+    return n % (2 * TILE) == 0 and n >= PAIR_MIN_N
 
 
 def is_available() -> bool:
@@ -63,21 +86,38 @@ def _kernel_class() -> type:
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90
 
-    def _tma_tiles(atom: Any, tensor: Any, smem: Any, tile: tuple) -> tuple[Any, Any]:
+    def _tma_tiles(atom: Any, tensor: Any, smem: Any, tile: tuple, cta: Any = 0, ctas: int = 1) -> tuple[Any, Any]:
         """A TMA tensor cut into ``tile``s, partitioned for ``atom`` against the shared-memory
-        tile ``smem`` (staged or not): (box, stage) and (box, tile coordinates..., L)."""
+        tile ``smem`` (staged or not): (box, stage) and (box, tile coordinates..., L). With
+        ``ctas`` > 1 the box is shared by that many CTAs of a cluster (a multicast load), each
+        loading the part ``cta`` of it."""
         tiles = cute.local_tile(tensor, tile, (None, None, None))
         return cute.nvgpu.cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(tiles, 0, 2)
+            atom, cta, cute.make_layout(ctas), cute.group_modes(smem, 0, 2), cute.group_modes(tiles, 0, 2)
         )
 
     class SymGemmSm90:
-        def __init__(self, has_c: bool, stages: int = STAGES) -> None:
+        def __init__(self, has_c: bool, stages: int = STAGES, pair: bool = False) -> None:
             self.has_c = has_c
             self.stages = stages
+            # a pair: two CTAs of a cluster share the B panel of one 256 x 256 tile (one TMA
+            # load multicast to both); alone: one CTA per 128 x 128 tile
+            self.cm = 2 if pair else 1
+            self.tile_n = TILE * self.cm  # the CTA tile's columns and the cluster tile's side
             self.acc_dtype = cutlass.Float32
             self.num_mma_wg = 2
             self.mma_threads = 128 * self.num_mma_wg
+
+        def _mma(self, a_layout: Any, b_layout: Any, tile_n: int) -> Any:
+            return sm90.make_trivial_tiled_mma(
+                self.ab_dtype,
+                self.ab_dtype,
+                a_layout.sm90_mma_major_mode(),
+                b_layout.sm90_mma_major_mode(),
+                self.acc_dtype,
+                (2, 1, 1),  # two consumer warpgroups stacked along the tile's rows
+                tiler_mn=(64, tile_n),
+            )
 
         @cute.jit
         def __call__(
@@ -86,7 +126,7 @@ def _kernel_class() -> type:
             mB: cute.Tensor,  # (n, k, L): B^T of the product, i.e. the second operand's rows
             mC: cute.Tensor,  # (n, n, L), read only when has_c
             mD: cute.Tensor,  # (n, n, L) output, row-major
-            tiles: cute.Tensor,  # (2, T(T+1)/2) int32: row/col of each lower tile, row-major
+            tiles: cute.Tensor,  # (2, T(T+1)/2) int32: row/col of each lower cluster tile
             num_ctas: cutlass.Int32,
             alpha: cutlass.Float32,
             beta: cutlass.Float32,
@@ -96,16 +136,10 @@ def _kernel_class() -> type:
             self.d_dtype = mD.element_type
             a_layout = utils.LayoutEnum.from_tensor(mA)
             b_layout = utils.LayoutEnum.from_tensor(mB)
-            self.tiled_mma = sm90.make_trivial_tiled_mma(
-                self.ab_dtype,
-                self.ab_dtype,
-                a_layout.sm90_mma_major_mode(),
-                b_layout.sm90_mma_major_mode(),
-                self.acc_dtype,
-                (2, 1, 1),  # two consumer warpgroups stacked along the tile's rows
-                tiler_mn=(64, TILE),
-            )
-            tile_mnk = (TILE, TILE, TILE_K)
+            self.tiled_mma = self._mma(a_layout, b_layout, self.tile_n)
+            # the epilogue works on 128 x 128 blocks of the CTA tile, partitioned as one of them
+            self.epi_mma = self._mma(a_layout, b_layout, TILE)
+            tile_mnk = (TILE, self.tile_n, TILE_K)
             self.a_smem = sm90.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, self.stages)
             self.b_smem = sm90.make_smem_layout_b(b_layout, tile_mnk, self.ab_dtype, self.stages)
             tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -114,11 +148,15 @@ def _kernel_class() -> type:
                 cute.slice_(self.a_smem, (None, None, 0)),
                 (TILE, TILE_K),
             )
+            b_op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            if cutlass.const_expr(self.cm > 1):
+                b_op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
             tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                b_op,
                 mB,
                 cute.slice_(self.b_smem, (None, None, 0)),
-                (TILE, TILE_K),
+                (self.tile_n, TILE_K),
+                num_multicast=self.cm,
             )
             # The epilogue's two shared-memory tiles: row-major for D at (i, j), column-major for
             # D's transposed view at (i, j) (the same memory with the row and column strides
@@ -137,11 +175,22 @@ def _kernel_class() -> type:
                 cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mDT, self.dt_smem, (TILE, TILE)
             )
             tma_c, tC = tma_d, tD  # unused without C
+            tma_ct, tCT = tma_dt, tDT  # unused without C or alone
             if cutlass.const_expr(self.has_c):
-                # C's tile comes into the row-major epilogue tile, which it shares with D's
+                # C's first block comes into the row-major epilogue tile, which it shares with D's
                 tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
                     cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mC, self.d_smem, (TILE, TILE)
                 )
+                if cutlass.const_expr(self.cm > 1):
+                    # a pair's second block of C comes into the column-major tile through C's
+                    # transposed view: block (i, j) of C^T is block (i, j) of C, C being symmetric
+                    mCT = cute.make_tensor(
+                        mC.iterator,
+                        cute.make_layout(mC.shape, stride=(mC.stride[1], mC.stride[0], mC.stride[2])),
+                    )
+                    tma_ct, tCT = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                        cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mCT, self.dt_smem, (TILE, TILE)
+                    )
 
             @cute.struct
             class Storage:
@@ -155,6 +204,7 @@ def _kernel_class() -> type:
             self.storage = Storage
             self.kernel(
                 self.tiled_mma,
+                self.epi_mma,
                 self.a_smem,
                 self.b_smem,
                 self.d_smem,
@@ -169,12 +219,15 @@ def _kernel_class() -> type:
                 tDT,
                 tma_c,
                 tC,
+                tma_ct,
+                tCT,
                 tiles,
                 alpha,
                 beta,
             ).launch(
                 grid=(num_ctas, 1, 1),
                 block=(_THREADS, 1, 1),
+                cluster=(self.cm, 1, 1),
                 min_blocks_per_mp=1,
                 stream=stream,
             )
@@ -183,6 +236,7 @@ def _kernel_class() -> type:
         def kernel(
             self,
             tiled_mma: cute.TiledMma,
+            epi_mma: cute.TiledMma,
             a_smem: cute.ComposedLayout,
             b_smem: cute.ComposedLayout,
             d_smem: cute.ComposedLayout,
@@ -197,13 +251,21 @@ def _kernel_class() -> type:
             tDT: cute.Tensor,
             tma_c: cute.CopyAtom,
             tC: cute.Tensor,
+            tma_ct: cute.CopyAtom,
+            tCT: cute.Tensor,
             tiles: cute.Tensor,
             alpha: cutlass.Float32,
             beta: cutlass.Float32,
         ):
             tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
+            # the work is dealt per cluster (a CTA alone is a cluster of one)
+            first, _, _ = cute.arch.block_idx()
             nblk, _, _ = cute.arch.grid_dim()
+            rank = cutlass.Int32(0)  # this CTA's 128-row half of a pair's tile
+            if cutlass.const_expr(self.cm > 1):
+                first, _, _ = cute.arch.cluster_idx()
+                nblk, _, _ = cute.arch.cluster_dim()
+                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg = cute.arch.make_warp_uniform(tidx // 128)
             if warp == 0:
@@ -215,51 +277,57 @@ def _kernel_class() -> type:
             if cutlass.const_expr(self.has_c):
                 if warp == 0:
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
+                    if cutlass.const_expr(self.cm > 1):
+                        cute.nvgpu.cpasync.prefetch_descriptor(tma_ct)
 
             smem = utils.SmemAllocator()
             st = smem.allocate(self.storage)
             stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
                 self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
             )
-            # consumers release a stage once per warp (8 warps)
+            # consumers release a stage once per warp (8 warps), to every CTA whose loads
+            # fill it (a pair's B half comes from the other CTA)
             ring = pipeline.PipelineTmaAsync.create(
                 barrier_storage=st.barriers.data_ptr(),
                 num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4 * self.cm),
                 tx_count=stage_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                cta_layout_vmnk=cute.make_layout((1, self.cm, 1, 1)),
                 defer_sync=True,
             )
-            # C's tile, one at a time: loaded by the producer once the epilogue tile is free (the
-            # previous tile's stores have read it: the store warp releases it in the mainloop)
+            # C's blocks of a tile, one tile at a time: loaded by the producer once the epilogue
+            # tiles are free (the previous tile's stores have read them: the store warp releases
+            # them in the mainloop)
             c_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=st.c_barriers.data_ptr(),
                 num_stages=1,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                tx_count=cute.size_in_bytes(self.d_dtype, d_smem),
+                tx_count=cute.size_in_bytes(self.d_dtype, d_smem) * self.cm,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
-            pipeline.pipeline_init_arrive()
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cm, 1), is_relaxed=True)
             sA = st.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
             sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
             sD = st.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
             sDT = st.sDT.get_tensor(dt_smem.outer, swizzle=dt_smem.inner)
 
-            # each TMA tensor as (TMA box, tile coordinates..., L) beside its shared-memory tile
+            # each TMA tensor as (TMA box, tile coordinates..., L) beside its shared-memory tile;
+            # a pair's CTAs each load one half of the B box, multicast to both
             tAsA, tAgA = _tma_tiles(tma_a, tA, sA, (TILE, TILE_K))
-            tBsB, tBgB = _tma_tiles(tma_b, tB, sB, (TILE, TILE_K))
+            tBsB, tBgB = _tma_tiles(tma_b, tB, sB, (self.tile_n, TILE_K), rank, self.cm)
             tDsD, tDgD = _tma_tiles(tma_d, tD, sD, (TILE, TILE))
             tTsT, tTgT = _tma_tiles(tma_dt, tDT, sDT, (TILE, TILE))
             tCsC, tCgC = _tma_tiles(tma_c, tC, sD, (TILE, TILE))
+            tUsU, tUgU = _tma_tiles(tma_ct, tCT, sDT, (TILE, TILE))
             k_tiles = cute.size(tAgA, mode=[2])
             per_batch = cute.size(tiles, mode=[1])
             total = per_batch * cute.size(tDgD, mode=[3])
             # the mainloop steps after which the store warp frees the epilogue tiles for C
             c_split = cutlass.min(_C_FREE_KT, k_tiles)
-            pipeline.pipeline_init_wait()
+            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cm, 1))
 
             if wg == 0:
                 # producer: one warp issues the TMA loads of every tile this CTA owns
@@ -267,29 +335,37 @@ def _kernel_class() -> type:
                 if warp == 0:
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                     c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                    t = bidx
+                    t = first
                     while t < total:
                         batch = t // per_batch
                         local = t - batch * per_batch
                         ti = tiles[0, local]
                         tj = tiles[1, local]
-                        a_k = tAgA[(None, ti, None, batch)]
+                        i = ti * self.cm + rank  # this CTA's 128-row block
+                        a_k = tAgA[(None, i, None, batch)]
                         b_k = tBgB[(None, tj, None, batch)]
                         for kt in range(k_tiles):
                             ring.producer_acquire(state)
                             bar = ring.producer_get_barrier(state)
                             cute.copy(tma_a, a_k[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_b, b_k[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                            if cutlass.const_expr(self.cm > 1):
+                                cute.copy(
+                                    tma_b,
+                                    b_k[(None, kt)],
+                                    tBsB[(None, state.index)],
+                                    tma_bar_ptr=bar,
+                                    mcast_mask=cutlass.Int16((1 << self.cm) - 1),
+                                )
+                            else:
+                                cute.copy(tma_b, b_k[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                             ring.producer_commit(state)
                             state.advance()
                         if cutlass.const_expr(self.has_c):
                             c_pipe.producer_acquire(c_state)
-                            cute.copy(
-                                tma_c,
-                                tCgC[(None, ti, tj, batch)],
-                                tCsC,
-                                tma_bar_ptr=c_pipe.producer_get_barrier(c_state),
-                            )
+                            c_bar = c_pipe.producer_get_barrier(c_state)
+                            cute.copy(tma_c, tCgC[(None, i, tj * self.cm, batch)], tCsC, tma_bar_ptr=c_bar)
+                            if cutlass.const_expr(self.cm > 1):
+                                cute.copy(tma_ct, tUgU[(None, i, tj * self.cm + 1, batch)], tUsU, tma_bar_ptr=c_bar)
                             c_pipe.producer_commit(c_state)
                             c_state.advance()
                         t += nblk
@@ -298,34 +374,38 @@ def _kernel_class() -> type:
                 cute.arch.setmaxregister_increase(232)
                 mma_tidx = tidx - 128
                 thr_mma = tiled_mma.get_slice(mma_tidx)
+                thr_epi = epi_mma.get_slice(mma_tidx)
                 tCsA = thr_mma.partition_A(sA)
                 tCsB = thr_mma.partition_B(sB)
                 tCrA = tiled_mma.make_fragment_A(tCsA)
                 tCrB = tiled_mma.make_fragment_B(tCsB)
                 k_blocks = cute.size(tCrA, mode=[2])
-                tCsD = thr_mma.partition_C(sD)  # C's tile, in the accumulator's thread layout
-                acc = cute.make_rmem_tensor(tCsD.shape, self.acc_dtype)
-                out = cute.make_rmem_tensor(acc.shape, self.d_dtype)
-                c_in = cute.make_rmem_tensor(acc.shape, self.d_dtype)
+                acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((TILE, self.tile_n)), self.acc_dtype)
+                # C's blocks in the accumulator's thread layout: the second (a pair's) in sDT
+                tEsC = [thr_epi.partition_C(sD), thr_epi.partition_C(sDT)][: self.cm]
+                block = cute.make_rmem_tensor(tEsC[0].shape, self.acc_dtype)
+                per_block = cute.size(block)
+                outs = [cute.make_rmem_tensor(tEsC[0].shape, self.d_dtype) for _ in range(self.cm)]
+                c_in = cute.make_rmem_tensor(tEsC[0].shape, self.d_dtype)
                 # registers -> the two shared-memory tiles, in column strips of EPI_TILE: the
                 # accumulator's registers come in strip order (as CUTLASS's SM90 epilogue takes them)
                 row, col = utils.LayoutEnum.ROW_MAJOR, utils.LayoutEnum.COL_MAJOR
                 r2s_d = cute.make_tiled_copy_S(
                     sm90.get_smem_store_op(row, self.d_dtype, self.acc_dtype),
                     cute.make_tiled_copy_C_atom(
-                        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype), tiled_mma
+                        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype), epi_mma
                     ),
                 ).get_slice(mma_tidx)
                 r2s_dt = cute.make_tiled_copy_S(
                     sm90.get_smem_store_op(col, self.d_dtype, self.acc_dtype),
                     cute.make_tiled_copy_C_atom(
-                        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.d_dtype), tiled_mma
+                        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.d_dtype), epi_mma
                     ),
                 ).get_slice(mma_tidx)
                 sD_strips = cute.flat_divide(sD, EPI_TILE)  # (EPI_M, EPI_N, 1, strips)
                 sDT_strips = cute.flat_divide(sDT, EPI_TILE)
                 strips = cute.size(sD_strips, mode=[3])
-                rs_out = r2s_d.retile(out)
+                rs_outs = [r2s_d.retile(out) for out in outs]
                 strip_shape = r2s_d.partition_D(sD_strips[(None, None, 0, 0)]).shape
                 strip_regs = cute.make_rmem_tensor(cute.make_layout(strip_shape), self.d_dtype)
                 per_strip = cute.size(strip_regs)
@@ -333,12 +413,13 @@ def _kernel_class() -> type:
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 c_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 c_free = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-                t = bidx
+                t = first
                 while t < total:
                     batch = t // per_batch
                     local = t - batch * per_batch
                     ti = tiles[0, local]
                     tj = tiles[1, local]
+                    i = ti * self.cm + rank
                     acc.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
@@ -359,7 +440,7 @@ def _kernel_class() -> type:
                     segments = ((1, c_split), (c_split, k_tiles)) if cutlass.const_expr(self.has_c) else ((1, k_tiles),)
                     for segment, (lo, hi) in enumerate(segments):
                         if segment == 1:
-                            if t != bidx and warp == _STORE_WARP:
+                            if t != first and warp == _STORE_WARP:
                                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                                 c_pipe.consumer_release(c_free)
                                 c_free.advance()
@@ -377,44 +458,53 @@ def _kernel_class() -> type:
                     ring.consumer_release(release)
                     release.advance()
 
-                    # epilogue: fp32 math, one rounding, two shared-memory tiles, TMA stores
-                    res = acc.load()
+                    # epilogue: fp32 math and one rounding per 128 x 128 block (the accumulator
+                    # holds a block's values contiguously, the wgmma layout's column chunks
+                    # being its outermost mode), C read from shared memory before any block
+                    # overwrites it; then per block two shared-memory tiles and TMA stores
                     if cutlass.const_expr(self.has_c):
                         c_pipe.consumer_wait(c_read)
-                        cute.autovec_copy(tCsD, c_in)
+                    for blk in cutlass.range_constexpr(self.cm):
+                        for v in cutlass.range_constexpr(per_block):
+                            block[v] = acc[blk * per_block + v]
+                        res = alpha * block.load()
+                        if cutlass.const_expr(self.has_c):
+                            cute.autovec_copy(tEsC[blk], c_in)
+                            res = res + beta * c_in.load().to(self.acc_dtype)
+                        outs[blk].store(res.to(self.d_dtype))
+                    if cutlass.const_expr(self.has_c):
                         c_read.advance()
-                        res = alpha * res + beta * c_in.load().to(self.acc_dtype)
-                    else:
-                        res = alpha * res
-                        # the previous tile's stores must have read the shared tiles
-                        if warp == _STORE_WARP:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    out.store(res.to(self.d_dtype))
-                    # every thread is done with C's tile and the previous stores with both tiles
-                    cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                    for strip in cutlass.range_constexpr(strips):
-                        for v in cutlass.range_constexpr(per_strip):
-                            strip_regs[v] = rs_out[strip * per_strip + v]
-                        cute.copy(r2s_d, strip_regs, r2s_d.partition_D(sD_strips[(None, None, 0, strip)]))
-                        cute.copy(r2s_dt, strip_regs, r2s_dt.partition_D(sDT_strips[(None, None, 0, strip)]))
-                    if ti == tj:
-                        # a diagonal tile: the upper triangle becomes the transpose of the
-                        # lower, whatever the MMA's summation order. sDT holds the tile too, so
-                        # sD's upper half is read from it: no element is read and written.
-                        cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                        for e in cutlass.range(TILE * TILE // _MMA_THREADS, unroll=8):
-                            idx = e * _MMA_THREADS + mma_tidx
-                            r = idx // TILE
-                            c = idx - r * TILE
-                            if r < c:
-                                sD[r, c] = sDT[c, r]
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                    if warp == _STORE_WARP:
-                        cute.copy(tma_d, tDsD, tDgD[(None, ti, tj, batch)])
-                        if ti != tj:
-                            cute.copy(tma_dt, tTsT, tTgT[(None, ti, tj, batch)])
-                        cute.arch.cp_async_bulk_commit_group()
+                    for blk in cutlass.range_constexpr(self.cm):
+                        j = tj * self.cm + blk
+                        if j <= i:  # a pair's tile on the diagonal has one block above it
+                            # the previous block's (or tile's) stores must have read the tiles
+                            if warp == _STORE_WARP:
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            # ... and every thread be done with C's blocks
+                            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                            for strip in cutlass.range_constexpr(strips):
+                                for v in cutlass.range_constexpr(per_strip):
+                                    strip_regs[v] = rs_outs[blk][strip * per_strip + v]
+                                cute.copy(r2s_d, strip_regs, r2s_d.partition_D(sD_strips[(None, None, 0, strip)]))
+                                cute.copy(r2s_dt, strip_regs, r2s_dt.partition_D(sDT_strips[(None, None, 0, strip)]))
+                            if i == j:
+                                # a diagonal block: the upper triangle becomes the transpose of
+                                # the lower, whatever the MMA's summation order. sDT holds the block
+                                # too, so sD's upper half is read from it: no element is read and written.
+                                cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                                for e in cutlass.range(TILE * TILE // _MMA_THREADS, unroll=8):
+                                    idx = e * _MMA_THREADS + mma_tidx
+                                    r = idx // TILE
+                                    c = idx - r * TILE
+                                    if r < c:
+                                        sD[r, c] = sDT[c, r]
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                            if warp == _STORE_WARP:
+                                cute.copy(tma_d, tDsD, tDgD[(None, i, j, batch)])
+                                if i != j:
+                                    cute.copy(tma_dt, tTsT, tTgT[(None, i, j, batch)])
+                                cute.arch.cp_async_bulk_commit_group()
                     t += nblk
                 if warp == _STORE_WARP:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -441,7 +531,9 @@ def _major(x: torch.Tensor) -> str | None:
 
 
 @functools.cache
-def _compiled(dtype_name: str, a_major: str, b_major: str, has_c: bool, stages: int = STAGES) -> Any:
+def _compiled(
+    dtype_name: str, a_major: str, b_major: str, has_c: bool, stages: int = STAGES, pair: bool = False
+) -> Any:
     """Compile once per configuration; shapes and strides stay dynamic (symbolic)."""
     import cutlass
     import cutlass.cute as cute
@@ -464,7 +556,7 @@ def _compiled(dtype_name: str, a_major: str, b_major: str, has_c: bool, stages: 
         dtype, square, (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)), assumed_align=16
     )
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
-    gemm = _kernel_class()(has_c, stages)
+    gemm = _kernel_class()(has_c, stages, pair)
     return cute.compile(
         gemm,
         operand(a_major),
@@ -517,11 +609,12 @@ def sym_gemm(
         c = c.contiguous().to(a.dtype)
     if out is None:
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
-    # STAGES read here, not bound as a default: scripts/bench_sym_ab.py --cute-variants switches it
-    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, STAGES)
-    side = n // TILE
-    table = _tile_table(side, GROUP, a.device)
-    ctas = min(grid_sms(a.device), L * table.shape[1])
+    # read here, not bound as defaults: scripts/bench_sym_ab.py --cute-variants switches them
+    pair = pairs(n)
+    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, PAIR_STAGES if pair else STAGES, pair)
+    cm = 2 if pair else 1
+    table = _tile_table(n // (TILE * cm), GROUP, a.device)
+    ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
     fn(
         _as_nkl(a),
         _as_nkl(bt),

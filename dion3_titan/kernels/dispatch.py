@@ -23,8 +23,9 @@ PREFERENCES: tuple[str, ...] = ("auto",) + BACKENDS
 # against 19.8) (docs/benchmarks.md, "Backend crossover" and "Small Gram sides"). From there on,
 # on a Hopper GPU with CuteDSL importable, a batch whose products run at a Gram side (padded to
 # whole tiles) in [CUTE_MIN_N, CUTE_MAX_N) runs its symmetric products in CuteDSL, where that
-# kernel measured faster than Triton's (1024 to 2048); from 2816 on Triton's wide tiles are
-# the faster ones (docs/benchmarks.md, "CuteDSL symmetric GEMM: epilogue through shared memory").
+# kernel measured faster than Triton's (1024 to 2048); at 2816 Triton's wide tiles are the
+# faster ones (docs/benchmarks.md, "CuteDSL symmetric GEMM: epilogue through shared memory"); from
+# 3072 on CuteDSL's pair tiles are, on sides they cover (docs/benchmarks.md, "CuteDSL pair tiles").
 TRITON_MIN_N = 256
 CUTE_MIN_N = 1024
 CUTE_MAX_N = 2816
@@ -33,8 +34,11 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def prefers_cute(side: int) -> bool:
     """Whether "auto" sends a batch whose products run at Gram side ``side`` (after the
-    backend's padding) to CuteDSL when CuteDSL can run (the measured table)."""
-    return CUTE_MIN_N <= side < CUTE_MAX_N
+    backend's padding) to CuteDSL when CuteDSL can run (the measured table): its 128 x 128
+    tiles from CUTE_MIN_N to CUTE_MAX_N, its pair tiles (``cute_symm.pairs``) on larger sides."""
+    from dion3_titan.kernels.cute_symm import pairs  # imports without CuteDSL
+
+    return CUTE_MIN_N <= side < CUTE_MAX_N or pairs(side)
 
 
 @functools.cache

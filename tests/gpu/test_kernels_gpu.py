@@ -205,6 +205,43 @@ def test_cute_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool,
     assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("L", [1, 5])
+@pytest.mark.parametrize("n", [256, 768, 2048])
+@pytest.mark.parametrize("k", [64, 640])
+@pytest.mark.parametrize("with_c", [False, True])
+@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT"])
+def test_cute_sym_gemm_pair(dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int, monkeypatch) -> None:
+    """The pair form (two CTAs of a cluster on a 256 x 256 tile, B multicast to both): exact
+    symmetry, every element written, fp16/bf16 error within twice cuBLAS's against float64,
+    on sides of 1, 3 and 8 pair tiles (a pair on the diagonal writes three of its four blocks)."""
+    if not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan.kernels import cute_symm
+
+    monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 256)
+    built = []
+    real = cute_symm._compiled
+    monkeypatch.setattr(cute_symm, "_compiled", lambda *args: built.append(args[-1]) or real(*args))
+    x = torch.randn(L, n, k, device="cuda").to(dtype)
+    a, b = (x, x.mT) if layout == "x,x.mT" else (x, x.mT.contiguous())
+    ref = torch.bmm(a.double(), b.double())
+    c, alpha, beta = None, 1.0, 0.0
+    theirs = torch.bmm(a, b)
+    if with_c:
+        alpha, beta = 0.75, -1.25
+        c = _symmetric(L, n, dtype)
+        ref = alpha * ref + beta * c.double()
+        theirs = torch.baddbmm(c, a, b, alpha=alpha, beta=beta)
+    out = torch.full((L, n, n), float("nan"), device="cuda", dtype=dtype)
+    got = cute_symm.sym_gemm(a, b, c, alpha, beta, out=out)
+    assert got is out and built == [True], f"the pair kernel did not run (seed {seed})"
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), f"unwritten or non-finite output (seed {seed})"
+    assert torch.equal(out, out.mT), f"result is not exactly symmetric (seed {seed})"
+    assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6, f"seed {seed}"
+
+
 @pytest.mark.parametrize("shape", [(4, 512, 1536), (2, 1536, 512), (4, 256, 1024)], ids=["wide", "tall", "side256"])
 def test_auto_picks_triton_for_gram_ns_in_the_optimizer(shape, seed: int, monkeypatch) -> None:
     """From a Gram side of 256 on, backend = "auto" orthogonalizes fp16 batches in Triton: one
@@ -285,9 +322,11 @@ def test_persistent_kernels_replay_from_a_cuda_graph(seed: int) -> None:
         assert all(torch.equal(o, o.mT) for o in outs[:3])
 
 
-def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(seed: int, monkeypatch) -> None:
+@pytest.mark.parametrize("side", [2048, 4096], ids=["tiles", "pairs"])
+def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int, seed: int, monkeypatch) -> None:
     """backend = "auto" on Hopper: a batch whose shape the measured table sends to CuteDSL
-    (dispatch.prefers_cute) is orthogonalized by the CuteDSL kernels inside the captured step.
+    (dispatch.prefers_cute: 128 x 128 tiles at 2048, pair tiles at 4096) is orthogonalized by
+    the CuteDSL kernels inside the captured step.
     The capture calls them (the replays call nothing on the host), and the replayed steps move
     the weights exactly as eager steps with backend = "cute" do."""
     if not _cute_ready():
@@ -296,7 +335,7 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(seed: int
     from dion3_titan.kernels import cute_symm, dispatch
     from dion3_titan.optim.cuda_graph import GraphedOptimizer
 
-    shape = (2048, 2048)  # fraction 1: one square 2048 x 2048 batch, standard NS
+    shape = (side, side)  # fraction 1: one square batch, standard NS
     assert dispatch.prefers_cute(shape[0]), "the table no longer sends this shape to CuteDSL"
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(*shape, generator=gen).cuda()
