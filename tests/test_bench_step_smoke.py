@@ -65,7 +65,8 @@ def test_single_process_rows(single: Path) -> None:
         "dion3_f1/4",
     }
     graph_rows = {n + "+graph" for n in expected if n.startswith("dion3") and n != "dion3_f1_torch_nomb"}
-    assert expected | graph_rows | {"dion3_f1/4+graph+norm", "dion3_f1/4+graph+norm+1stream"} == set(rows)
+    norm_rows = {"dion3_f1_gram+graph+norm", "dion3_f1/4+graph+norm", "dion3_f1/4+graph+norm+1stream"}
+    assert expected | graph_rows | norm_rows == set(rows)
     for r in rows.values():
         if r["graph"]:
             assert r["status"] == "unavailable", r
