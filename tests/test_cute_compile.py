@@ -23,8 +23,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Every (dtype, A's major, B^T's major, with C, pair form) that sym_gemm compiles for.
-CONFIGS = list(itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True], [False, True]))
+# Every (dtype, A's major, B^T's major, with C, pair form) that sym_gemm compiles for, with the
+# diagonal mirror; without it for the operand layouts of the products that leave it out (X X^T:
+# both k-major; A A: A k-major, A^T n-major), in fp16.
+CONFIGS = [
+    (*config, True)
+    for config in itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True], [False, True])
+] + [("Float16", "k", b, has_c, pair, False) for b in ("k", "n") for has_c in (False, True) for pair in (False, True)]
 
 # Compiles each configuration in a fresh process (CuteDSL reads its environment at import) and
 # prints, per configuration, how often each instruction of interest appears in the PTX (the
@@ -42,15 +47,16 @@ INSTRUCTIONS = {
     "stmatrix_trans": r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans\.(?:shared\.)?b16",
     "global_store": r"\bst\.global\.",
     "setmaxnreg": r"setmaxnreg\.(?:inc|dec)\.",
+    "scalar_shared_store": r"st\.shared(?:::cta)?\.(?:u16|b16)",
 }
 found = {}
-for dtype, a_major, b_major, has_c, pair in json.loads(sys.argv[1]):
+for dtype, a_major, b_major, has_c, pair, mirror in json.loads(sys.argv[1]):
     stages = cute_symm.PAIR_STAGES if pair else cute_symm.STAGES
-    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair).artifacts.PTX
+    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror).artifacts.PTX
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
     wgmma = INSTRUCTIONS["wgmma_wide" if pair else "wgmma"]
     counts["wgmma_types"] = sorted(set(re.findall(wgmma, ptx)))
-    found[f"{dtype},{a_major},{b_major},{has_c},{pair}"] = counts
+    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror}"] = counts
 print("PTX " + json.dumps(found))
 """
 
@@ -87,7 +93,8 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
     found = json.loads(line[4:])
     assert len(found) == len(CONFIGS)
     for config, counts in found.items():
-        dtype, pair = config.split(",")[0], config.endswith("True")
+        fields = config.split(",")
+        dtype, pair, mirror = fields[0], fields[4] == "True", fields[5] == "True"
         expect_type = {"Float16": "f16", "BFloat16": "bf16"}[dtype]
         assert counts["wgmma_types"] == [expect_type], (config, counts)
         # the pair form: 64 x 256 products per warpgroup, B's panel loaded once for both CTAs
@@ -97,3 +104,5 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
         if not pair:
             assert counts["wgmma_wide"] == counts["multicast"] == 0, (config, counts)
         assert counts["global_store"] == 0, f"{config}: the epilogue stores to global memory per thread ({counts})"
+        # the diagonal mirror is the kernel's only element-wise shared-memory store
+        assert (counts["scalar_shared_store"] > 0) == mirror, f"{config}: mirror {mirror} ({counts})"

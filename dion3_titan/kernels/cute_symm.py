@@ -9,9 +9,12 @@ converts the fp32 accumulators to the output dtype and writes the tile twice int
 memory, once row-major and once column-major (``stmatrix`` and its transposing form); TMA
 stores them at (i, j) of D and at (i, j) of D's transposed view, i.e. at (j, i) of D. The
 stores run while the consumers start the next tile's mainloop; only the next epilogue waits
-for them to have read shared memory. A diagonal tile takes the transpose of its lower triangle
-as its upper one in shared memory and is stored once, so the result is exactly symmetric by
-construction. C (for alpha A B + beta C) comes by TMA into the row-major shared tile: the
+for them to have read shared memory. A diagonal tile is stored once; where the product's two
+operands differ (Q Z of Gram NS), it first takes the transpose of its lower triangle as its
+upper one in shared memory, so the result is exactly symmetric by construction. Where they are
+the same matrix (X X^T, A A with A symmetric), D[r, c] and D[c, r] are the same products summed
+in the same order, symmetric as computed, and that mirror (a scalar pass through shared memory)
+is left out. C (for alpha A B + beta C) comes by TMA into the row-major shared tile: the
 producer loads it after the tile's last A/B slice, once the store warp has seen the previous
 tile's stores read that tile.
 
@@ -97,9 +100,12 @@ def _kernel_class() -> type:
         )
 
     class SymGemmSm90:
-        def __init__(self, has_c: bool, stages: int = STAGES, pair: bool = False) -> None:
+        def __init__(self, has_c: bool, stages: int = STAGES, pair: bool = False, mirror: bool = True) -> None:
             self.has_c = has_c
             self.stages = stages
+            # mirror: a diagonal block's upper triangle is written as the transpose of its lower
+            # (module docstring: where the product needs it)
+            self.mirror = mirror
             # a pair: two CTAs of a cluster share the B panel of one 256 x 256 tile (one TMA
             # load multicast to both); alone: one CTA per 128 x 128 tile
             self.cm = 2 if pair else 1
@@ -487,17 +493,18 @@ def _kernel_class() -> type:
                                     strip_regs[v] = rs_outs[blk][strip * per_strip + v]
                                 cute.copy(r2s_d, strip_regs, r2s_d.partition_D(sD_strips[(None, None, 0, strip)]))
                                 cute.copy(r2s_dt, strip_regs, r2s_dt.partition_D(sDT_strips[(None, None, 0, strip)]))
-                            if i == j:
-                                # a diagonal block: the upper triangle becomes the transpose of
-                                # the lower, whatever the MMA's summation order. sDT holds the block
-                                # too, so sD's upper half is read from it: no element is read and written.
-                                cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                                for e in cutlass.range(TILE * TILE // _MMA_THREADS, unroll=8):
-                                    idx = e * _MMA_THREADS + mma_tidx
-                                    r = idx // TILE
-                                    c = idx - r * TILE
-                                    if r < c:
-                                        sD[r, c] = sDT[c, r]
+                            if cutlass.const_expr(self.mirror):
+                                if i == j:
+                                    # a diagonal block: the upper triangle becomes the transpose of
+                                    # the lower, whatever the MMA's summation order. sDT holds the block
+                                    # too, so sD's upper half is read from it: no element is read and written.
+                                    cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                                    for e in cutlass.range(TILE * TILE // _MMA_THREADS, unroll=8):
+                                        idx = e * _MMA_THREADS + mma_tidx
+                                        r = idx // TILE
+                                        c = idx - r * TILE
+                                        if r < c:
+                                            sD[r, c] = sDT[c, r]
                             cute.arch.fence_proxy("async.shared", space="cta")
                             cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
                             if warp == _STORE_WARP:
@@ -532,7 +539,13 @@ def _major(x: torch.Tensor) -> str | None:
 
 @functools.cache
 def _compiled(
-    dtype_name: str, a_major: str, b_major: str, has_c: bool, stages: int = STAGES, pair: bool = False
+    dtype_name: str,
+    a_major: str,
+    b_major: str,
+    has_c: bool,
+    stages: int = STAGES,
+    pair: bool = False,
+    mirror: bool = True,
 ) -> Any:
     """Compile once per configuration; shapes and strides stay dynamic (symbolic)."""
     import cutlass
@@ -556,7 +569,7 @@ def _compiled(
         dtype, square, (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)), assumed_align=16
     )
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
-    gemm = _kernel_class()(has_c, stages, pair)
+    gemm = _kernel_class()(has_c, stages, pair, mirror)
     return cute.compile(
         gemm,
         operand(a_major),
@@ -577,6 +590,18 @@ def _tile_table(side: int, group: int, device: torch.device) -> torch.Tensor:
     """(2, T(T+1)/2) int32 rows/cols of the lower-triangle tiles in the order the CTAs take
     them: the Triton kernels' banded order (``triton_ops.tile_order``, one rule for both)."""
     return tile_order(side, group, device).T.contiguous()
+
+
+def _same_operand(a: torch.Tensor, bt: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the product reads the same matrix on both sides, so that D[r, c] and D[c, r] are
+    the same products in the same order and need no mirror: a and b^T one view of the same
+    memory (X X^T), or a and b one view of a symmetric matrix (A A, symmetric by sym_gemm's
+    contract: its result is)."""
+
+    def same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+
+    return same_view(a, bt) or (a.shape[-1] == a.shape[-2] and same_view(a, b))
 
 
 def sym_gemm(
@@ -611,7 +636,8 @@ def sym_gemm(
         out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
     # read here, not bound as defaults: scripts/bench_sym_ab.py --cute-variants switches them
     pair = pairs(n)
-    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, PAIR_STAGES if pair else STAGES, pair)
+    mirror = not _same_operand(a, bt, b)
+    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, PAIR_STAGES if pair else STAGES, pair, mirror)
     cm = 2 if pair else 1
     table = _tile_table(n // (TILE * cm), GROUP, a.device)
     ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])

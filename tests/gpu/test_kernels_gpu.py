@@ -176,13 +176,17 @@ def _cute_ready() -> bool:
 @pytest.mark.parametrize("n", [128, 1000, 2048])
 @pytest.mark.parametrize("k", [128, 640, 4096])
 @pytest.mark.parametrize("with_c", [False, True])
-@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT"])
-def test_cute_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int) -> None:
+@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT", "s,s"])
+def test_cute_sym_gemm(
+    dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int, monkeypatch
+) -> None:
     if not _cute_ready():
         pytest.skip("CuteDSL or an SM90 GPU missing")
+    if layout == "s,s" and k != 640:
+        pytest.skip("S @ S has k = n: one case per n")
     from dion3_titan.kernels import cute_symm
 
-    got, _ = _cute_sym_gemm_checked(dtype, L, n, k, with_c, layout, seed)
+    got, _, _ = _cute_sym_gemm_checked(dtype, L, n, k, with_c, layout, seed, monkeypatch)
     # outside the kernel's limits it returns None: the backend falls back to Triton
     assert (got is None) == (n % cute_symm.TILE != 0), f"seed {seed}"
 
@@ -192,7 +196,7 @@ def test_cute_sym_gemm(dtype: torch.dtype, L: int, n: int, k: int, with_c: bool,
 @pytest.mark.parametrize("n", [256, 768, 2048])
 @pytest.mark.parametrize("k", [64, 640])
 @pytest.mark.parametrize("with_c", [False, True])
-@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT"])
+@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT", "s,s"])
 def test_cute_sym_gemm_pair(dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int, monkeypatch) -> None:
     """The pair form (two CTAs of a cluster on a 256 x 256 tile, B multicast to both): exact
     symmetry, every element written, fp16/bf16 error within twice cuBLAS's against float64,
@@ -201,23 +205,32 @@ def test_cute_sym_gemm_pair(dtype, L: int, n: int, k: int, with_c: bool, layout:
         pytest.skip("CuteDSL or an SM90 GPU missing")
     from dion3_titan.kernels import cute_symm
 
+    if layout == "s,s" and k != 640:
+        pytest.skip("S @ S has k = n: one case per n")
     monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 256)
-    built = []
-    real = cute_symm._compiled
-    monkeypatch.setattr(cute_symm, "_compiled", lambda *args: built.append(args[-1]) or real(*args))
-    got, out = _cute_sym_gemm_checked(dtype, L, n, k, with_c, layout, seed)
-    assert got is out and built == [True], f"the pair kernel did not run (seed {seed})"
+    got, out, built = _cute_sym_gemm_checked(dtype, L, n, k, with_c, layout, seed, monkeypatch)
+    assert got is out and [pair for pair, _ in built] == [True], f"the pair kernel did not run (seed {seed})"
 
 
-def _cute_sym_gemm_checked(dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int) -> tuple:
+def _cute_sym_gemm_checked(dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int, monkeypatch) -> tuple:
     """cute_symm.sym_gemm on fresh random operands into a NaN-filled buffer; where it ran (it
     returns None outside its limits): every element written, exactly symmetric, error against
-    float64 within twice cuBLAS's. Returns (what it returned, the buffer)."""
+    float64 within twice cuBLAS's, the diagonal blocks mirrored exactly where the two operands
+    are different memory ("r,r.mT") and left as computed where they are one matrix (X X^T,
+    S S). Returns (what it returned, the buffer, the (pair, mirror) of each kernel it ran)."""
     from dion3_titan.kernels import cute_symm
 
+    built = []
+    real = cute_symm._compiled
+    monkeypatch.setattr(cute_symm, "_compiled", lambda *args: built.append(args[5:7]) or real(*args))
     x = torch.randn(L, n, k, device="cuda").to(dtype)
-    # "r,r.mT": the first operand k-major, the second n-major (R @ R-style products)
-    a, b = (x, x.mT) if layout == "x,x.mT" else (x, x.mT.contiguous())
+    # "r,r.mT": the first operand k-major, the second n-major (R @ R-style products);
+    # "s,s": one symmetric n x n matrix on both sides (A A of Newton-Schulz)
+    if layout == "s,s":
+        x = _symmetric(L, n, dtype)
+        a, b = x, x
+    else:
+        a, b = (x, x.mT) if layout == "x,x.mT" else (x, x.mT.contiguous())
     ref = torch.bmm(a.double(), b.double())
     c, alpha, beta = None, 1.0, 0.0
     theirs = torch.bmm(a, b)
@@ -229,13 +242,14 @@ def _cute_sym_gemm_checked(dtype, L: int, n: int, k: int, with_c: bool, layout: 
     out = torch.full((L, n, n), float("nan"), device="cuda", dtype=dtype)
     got = cute_symm.sym_gemm(a, b, c, alpha, beta, out=out)
     if got is None:
-        return got, out
+        return got, out, built
     assert got is out
+    assert [mirror for _, mirror in built] == [layout == "r,r.mT"], f"mirror chosen wrongly: {built}"
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"unwritten or non-finite output (seed {seed})"
     assert torch.equal(out, out.mT), f"result is not exactly symmetric (seed {seed})"
     assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6, f"seed {seed}"
-    return got, out
+    return got, out, built
 
 
 @pytest.mark.parametrize("shape", [(4, 512, 1536), (2, 1536, 512), (4, 256, 1024)], ids=["wide", "tall", "side256"])
