@@ -471,8 +471,10 @@ def _kernel_class() -> type:
                     if cutlass.const_expr(self.has_c):
                         c_pipe.consumer_wait(c_read)
                     for blk in cutlass.range_constexpr(self.cm):
-                        for v in cutlass.range_constexpr(per_block):
-                            block[v] = acc[blk * per_block + v]
+                        # in runs of 32: CuteDSL warns of static loops of 64 steps and more
+                        for run in cutlass.range_constexpr(0, per_block, 32):
+                            for v in cutlass.range_constexpr(run, min(run + 32, per_block)):
+                                block[v] = acc[blk * per_block + v]
                         res = alpha * block.load()
                         if cutlass.const_expr(self.has_c):
                             cute.autovec_copy(tEsC[blk], c_in)
