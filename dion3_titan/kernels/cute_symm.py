@@ -30,7 +30,8 @@ symmetric), and both blocks of C are read before either is overwritten.
 
 Limits (the backend falls back to Triton outside them): CUDA SM90 only, n a multiple of 128,
 k a multiple of 8 and each operand with a unit stride in its n or k mode (TMA's 16-byte rule).
-Kernels are compiled once per (dtype, operand majors, with C) and cached; shapes are dynamic.
+Kernels are compiled once per (dtype, operand majors, with C, stages, pair form, mirror) and
+cached; shapes are dynamic.
 CuteDSL is imported lazily: this module imports without it.
 
 Its speed against cuBLAS and against the Triton backend: docs/kernels.md and docs/benchmarks.md.
