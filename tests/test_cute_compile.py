@@ -48,6 +48,7 @@ INSTRUCTIONS = {
     "global_store": r"\bst\.global\.",
     "setmaxnreg": r"setmaxnreg\.(?:inc|dec)\.",
     "scalar_shared_store": r"st\.shared(?:::cta)?\.(?:u16|b16)",
+    "vector_shared_store": r"st\.shared(?:::cta)?\.v4\.b32",
 }
 found = {}
 for dtype, a_major, b_major, has_c, pair, mirror in json.loads(sys.argv[1]):
@@ -104,5 +105,6 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
         if not pair:
             assert counts["wgmma_wide"] == counts["multicast"] == 0, (config, counts)
         assert counts["global_store"] == 0, f"{config}: the epilogue stores to global memory per thread ({counts})"
-        # the diagonal mirror is the kernel's only element-wise shared-memory store
-        assert (counts["scalar_shared_store"] > 0) == mirror, f"{config}: mirror {mirror} ({counts})"
+        # the diagonal mirror is the kernel's only thread-wise shared-memory store, 16 bytes wide
+        assert counts["scalar_shared_store"] == 0, f"{config}: element-wise shared-memory stores ({counts})"
+        assert (counts["vector_shared_store"] > 0) == mirror, f"{config}: mirror {mirror} ({counts})"

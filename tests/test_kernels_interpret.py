@@ -239,6 +239,28 @@ def _run_checks(seed: int) -> list[dict]:
             }
         )
 
+    # Newton-Schulz's input: the Triton backend's one-pass normalization (the row engine's
+    # gather) against the reference's division, bit for bit, in the same memory order, zero rows
+    # appended; contiguous and transposed inputs, three input dtypes
+    from dion3_titan.kernels.backend import Backend
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for layout in ("rows", "transposed"):
+            for extra in (0, 5):
+                x = torch.randn(3, 24, 40) * 7.0
+                x = (x if layout == "rows" else x.mT.contiguous().mT).to(dtype)
+                got = ops.normalize(x, 1e-7, torch.float16, 24 + extra)
+                want = Backend.normalize(ops, x, 1e-7, torch.float16, 24 + extra)
+                results.append(
+                    {
+                        "check": "normalize",
+                        "case": f"{dtype},{layout},+{extra} rows",
+                        "bitwise": bool(torch.equal(got, want)),
+                        "strides": got.stride() == want.stride(),
+                        "zeros": bool((got[:, 24:] == 0).all()),
+                    }
+                )
+
     # float32 products are not tensor-core work: they go to torch at full precision
     a = torch.randn(2, 20, 12)
     results.append(
@@ -336,6 +358,13 @@ def test_gram_ns_on_triton_matches_torch(results: list[dict]) -> None:
         assert r["err"] <= 1.5 * r["torch_err"] + 1e-3 and r["vs_torch"] < 2e-2, r
 
 
+def test_normalize_matches_the_reference_bitwise(results: list[dict]) -> None:
+    found = _of(results, "normalize")
+    assert len(found) == 12
+    bad = [r for r in found if not (r["bitwise"] and r["strides"] and r["zeros"])]
+    assert not bad, bad
+
+
 def test_float32_goes_to_torch(results: list[dict]) -> None:
     assert all(r["ok"] for r in _of(results, "fp32_fallback"))
 
@@ -402,9 +431,9 @@ def test_select_backend_and_algorithm_on_cpu() -> None:
 
 
 def test_cute_window_counts_the_padded_gram_side() -> None:
-    """The sides "auto" sends to CuteDSL on Hopper are those its products run at: 2752 rows are
-    padded to 2816, where Triton's wide tiles measured faster, so they stay on Triton; from 3072
-    on, sides its pair tiles cover (multiples of 256) go to CuteDSL, others stay on Triton."""
+    """The sides "auto" sends to CuteDSL on Hopper are those its products run at (2752 rows are
+    padded to 2816): all from 1024 to below 2816, from there on the sides its pair tiles cover
+    (multiples of 256); others stay on Triton."""
     from dion3_titan.kernels import dispatch
     from dion3_titan.kernels.triton_ops import TritonOps
 
@@ -416,9 +445,9 @@ def test_cute_window_counts_the_padded_gram_side() -> None:
         1024: True,
         1536: True,
         2048: True,
-        2752: False,
-        2816: False,
-        3072: True,  # pair tiles
+        2752: True,  # padded to 2816: pair tiles
+        2816: True,
+        3072: True,
         4096: True,
         4224: False,  # a multiple of 128, not of 256
         8192: True,

@@ -1,6 +1,6 @@
 """The interface every kernel backend implements (torch, Triton, CuteDSL).
 
-Orthogonalization and the weight update are written against these five ops only, so a backend
+Orthogonalization and the weight update are written against these six ops only, so a backend
 is chosen per shape without touching the algorithms.
 """
 
@@ -18,10 +18,34 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def norm_denominator(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """||x||_F + eps per matrix of a batch (B, n, m), shaped (B, 1, 1): in float32 (float64 for
+    float64 x), so the scale is exact before the one rounding of x divided by it."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc) + eps
+
+
+def normalized_buffer(x: torch.Tensor, dtype: torch.dtype, side: int) -> torch.Tensor:
+    """The (B, side, m) result of ``Backend.normalize``: x's memory order where no rows are
+    added (a transposed view stays one), else contiguous."""
+    if side == x.shape[-2]:
+        return torch.empty_like(x, dtype=dtype)
+    return torch.empty((x.shape[0], side, x.shape[-1]), dtype=dtype, device=x.device)
+
+
 class Backend:
     """Batched ops on (L, n, k) operands. Results are new tensors unless stated."""
 
     name: str = "abstract"
+
+    def normalize(self, x: torch.Tensor, eps: float, dtype: torch.dtype, side: int) -> torch.Tensor:
+        """Newton-Schulz's input: x (B, n, m) / (||x||_F + eps) per matrix, rounded once to
+        ``dtype``, with zero rows appended up to ``side`` (>= n) rows."""
+        n = x.shape[-2]
+        out = normalized_buffer(x, dtype, side)
+        torch.div(x, norm_denominator(x, eps), out=out[:, :n])
+        out[:, n:].zero_()
+        return out
 
     def gram_side(self, n: int) -> int:
         """The side at which this backend orthogonalizes a batch whose Gram side is n: zero

@@ -11,12 +11,13 @@ stores them at (i, j) of D and at (i, j) of D's transposed view, i.e. at (j, i) 
 stores run while the consumers start the next tile's mainloop; only the next epilogue waits
 for them to have read shared memory. A diagonal tile is stored once; where the product's two
 operands differ (Q Z of Gram NS), it first takes the transpose of its lower triangle as its
-upper one in shared memory, so the result is exactly symmetric by construction. Where they are
-the same matrix (X X^T, A A with A symmetric), D[r, c] and D[c, r] are the same products summed
-in the same order, symmetric as computed, and that mirror (a scalar pass through shared memory)
-is left out. C (for alpha A B + beta C) comes by TMA into the row-major shared tile: the
-producer loads it after the tile's last A/B slice, once the store warp has seen the previous
-tile's stores read that tile.
+upper one in shared memory, so the result is exactly symmetric by construction (16-byte copies
+from the column-major tile, whose layout is the row-major one's with the modes swapped). Where
+they are the same matrix (X X^T, A A with A symmetric), D[r, c] and D[c, r] are the same
+products summed in the same order, symmetric as computed, and that mirror is left out.
+C (for alpha A B + beta C) comes by TMA into the row-major shared tile: the producer loads it
+after the tile's last A/B slice, once the store warp has seen the previous tile's stores read
+that tile.
 
 The pair form (sides from PAIR_MIN_N on, multiples of 256): a cluster of two CTAs computes one
 256 x 256 tile of the lower triangle, each CTA 128 x 256 (each consumer warpgroup a 64 x 256
@@ -55,10 +56,11 @@ GROUP = 8
 STAGES = 4  # 4 x 32 KB of A/B slices in shared memory, beside the 2 x 32 KB epilogue tiles
 # From a side of PAIR_MIN_N (a multiple of 256) on, two CTAs of a cluster compute a 256 x 256
 # tile, 128 x 256 each, the B panel loaded once for both (TMA multicast): half the loads per
-# product of a 128 x 128 tile. Their stages hold 48 KB (3 fit beside the epilogue tiles). At 2048
-# and 2816 they measured no faster than the 128 x 128 form or Triton, from 3072 on faster than
-# both (docs/benchmarks.md, "CuteDSL pair tiles").
-PAIR_MIN_N = 3072
+# product of a 128 x 128 tile. Their stages hold 48 KB (3 fit beside the epilogue tiles). From
+# 2048 on they measured faster than the 128 x 128 form (4% per product at 32 x 2048^2, 5% on
+# Newton-Schulz; docs/benchmarks.md, "The diagonal blocks' mirror only where it is needed"), and
+# than Triton's wide tiles at 2816 ("Pair tiles from 2048 on, the mirror in 16-byte copies").
+PAIR_MIN_N = 2048
 PAIR_STAGES = 3
 
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers
@@ -67,6 +69,8 @@ _EPI_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA's
 _STORE_WARP = 4  # first consumer warp: issues the epilogue's TMA stores
 _C_FREE_KT = 4  # mainloop steps before the epilogue tiles are freed for C (the stores take < 1)
 EPI_TILE = (TILE, 32)  # the epilogue's register-to-shared strips (CUTLASS's SM90 cooperative choice)
+_CHUNK = 8  # the diagonal mirror's unit: 8 columns of a row, 16 bytes (one vector access)
+_ROW_CHUNKS = TILE // _CHUNK
 
 
 def pairs(n: int) -> bool:
@@ -320,6 +324,7 @@ def _kernel_class() -> type:
             sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
             sD = st.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
             sDT = st.sDT.get_tensor(dt_smem.outer, swizzle=dt_smem.inner)
+            sDT_rows = st.sDT.get_tensor(d_smem.outer, swizzle=d_smem.inner)  # its memory in sD's layout
 
             # each TMA tensor as (TMA box, tile coordinates..., L) beside its shared-memory tile;
             # a pair's CTAs each load one half of the B box, multicast to both
@@ -410,6 +415,12 @@ def _kernel_class() -> type:
                     ),
                 ).get_slice(mma_tidx)
                 sD_strips = cute.flat_divide(sD, EPI_TILE)  # (EPI_M, EPI_N, 1, strips)
+                # the diagonal mirror's view: both tiles in 8-column chunks, sDT read through
+                # sD's layout (its transpose's offsets)
+                sD_chunks = cute.zipped_divide(sD, (1, _CHUNK))  # ((1, 8), (rows, chunks))
+                sDT_as_D = cute.zipped_divide(sDT_rows, (1, _CHUNK))
+                upper = cute.make_rmem_tensor(cute.make_layout((1, _CHUNK)), self.d_dtype)
+                lower = cute.make_rmem_tensor(cute.make_layout((1, _CHUNK)), self.d_dtype)
                 sDT_strips = cute.flat_divide(sDT, EPI_TILE)
                 strips = cute.size(sD_strips, mode=[3])
                 rs_outs = [r2s_d.retile(out) for out in outs]
@@ -499,15 +510,27 @@ def _kernel_class() -> type:
                             if cutlass.const_expr(self.mirror):
                                 if i == j:
                                     # a diagonal block: the upper triangle becomes the transpose of
-                                    # the lower, whatever the MMA's summation order. sDT holds the block
-                                    # too, so sD's upper half is read from it: no element is read and written.
+                                    # the lower, whatever the MMA's summation order. sDT holds the
+                                    # block too, in a layout that is sD's with its modes swapped:
+                                    # sDT[c, r] lies at sD[r, c]'s offset. So the mirror copies sDT's
+                                    # memory into sD's at equal offsets, 16 bytes (8 columns of a
+                                    # row) at a time; a chunk the diagonal crosses keeps its lower
+                                    # part (merged in registers). Chunks are dealt round-robin, so
+                                    # every warp gets rows from the whole block.
                                     cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                                    for e in cutlass.range(TILE * TILE // _MMA_THREADS, unroll=8):
-                                        idx = e * _MMA_THREADS + mma_tidx
-                                        r = idx // TILE
-                                        c = idx - r * TILE
-                                        if r < c:
-                                            sD[r, c] = sDT[c, r]
+                                    for e in cutlass.range_constexpr(TILE * _ROW_CHUNKS // _MMA_THREADS):
+                                        q = e * _MMA_THREADS + mma_tidx
+                                        r = q // _ROW_CHUNKS
+                                        chunk = q - r * _ROW_CHUNKS
+                                        c0 = chunk * _CHUNK
+                                        if c0 + _CHUNK - 1 > r:  # some of its columns lie above the diagonal
+                                            cute.autovec_copy(sDT_as_D[(None, (r, chunk))], upper)
+                                            if c0 <= r:
+                                                cute.autovec_copy(sD_chunks[(None, (r, chunk))], lower)
+                                                for v in cutlass.range_constexpr(_CHUNK):
+                                                    if c0 + v <= r:
+                                                        upper[v] = lower[v]
+                                            cute.autovec_copy(upper, sD_chunks[(None, (r, chunk))])
                             cute.arch.fence_proxy("async.shared", space="cta")
                             cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
                             if warp == _STORE_WARP:

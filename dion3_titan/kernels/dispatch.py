@@ -22,10 +22,11 @@ PREFERENCES: tuple[str, ...] = ("auto",) + BACKENDS
 # product's triangle in extra launches) and eager (llama3-1B shapes: 18.4 host ms per step
 # against 19.8) (docs/benchmarks.md, "Backend crossover" and "Small Gram sides"). From there on,
 # on a Hopper GPU with CuteDSL importable, a batch whose products run at a Gram side (padded to
-# whole tiles) in [CUTE_MIN_N, CUTE_MAX_N) runs its symmetric products in CuteDSL, where that
-# kernel measured faster than Triton's (1024 to 2048); at 2816 Triton's wide tiles are the
-# faster ones (docs/benchmarks.md, "CuteDSL symmetric GEMM: epilogue through shared memory"); from
-# 3072 on CuteDSL's pair tiles are, on sides they cover (docs/benchmarks.md, "CuteDSL pair tiles").
+# whole tiles) in [CUTE_MIN_N, CUTE_MAX_N) runs its symmetric products in CuteDSL, where its
+# 128 x 128 tiles measured faster than Triton's (1024 to 2048); from 2048 on its pair tiles are
+# the faster ones, on sides they cover (multiples of 256: docs/benchmarks.md, "CuteDSL pair
+# tiles" and "Pair tiles from 2048 on, the mirror in 16-byte copies"). Other sides from
+# CUTE_MAX_N on stay on Triton, whose wide tiles measured faster there than the 128 x 128 form.
 TRITON_MIN_N = 256
 CUTE_MIN_N = 1024
 CUTE_MAX_N = 2816
@@ -35,7 +36,8 @@ _HALF = (torch.float16, torch.bfloat16)
 def prefers_cute(side: int) -> bool:
     """Whether "auto" sends a batch whose products run at Gram side ``side`` (after the
     backend's padding) to CuteDSL when CuteDSL can run (the measured table): its 128 x 128
-    tiles from CUTE_MIN_N to CUTE_MAX_N, its pair tiles (``cute_symm.pairs``) on larger sides."""
+    or pair tiles (``cute_symm.pairs``) from CUTE_MIN_N to below CUTE_MAX_N, its pair tiles on
+    larger sides."""
     from dion3_titan.kernels.cute_symm import pairs  # imports without CuteDSL
 
     return CUTE_MIN_N <= side < CUTE_MAX_N or pairs(side)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dion3_titan.kernels.backend import Backend
+from dion3_titan.kernels.backend import Backend, norm_denominator
 from dion3_titan.kernels.dispatch import resolve_algorithm
 from dion3_titan.optim.config import Coefficients
 
@@ -29,11 +29,9 @@ def _normalize(x: torch.Tensor, eps: float, dtype: torch.dtype, out: torch.Tenso
     The norm and the division run in float32 (float64 stays float64) so the scale is exact
     before the one rounding to ``dtype``; the division writes the narrow result directly (one
     pass, no float32 copy of x)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc)
     if out is None:
         out = torch.empty_like(x, dtype=dtype)
-    return torch.div(x, norm + eps, out=out)
+    return torch.div(x, norm_denominator(x, eps), out=out)
 
 
 def is_transposed_batch(views: list[torch.Tensor]) -> bool:
@@ -83,15 +81,15 @@ def gram_newton_schulz(
             r = ops.sym_mm(x, xt)
             q = None
         z = ops.sym_addmm(r, r, r, alpha=c, beta=b)
-        if q is None:
-            q = z.clone()
-            q.diagonal(dim1=-2, dim2=-1).add_(a)
-        else:
-            q = ops.sym_addmm(q, z, q, alpha=1.0, beta=a)
         # R is needed only by a later iteration that does not restart.
         if t + 1 < steps and (t + 1) not in restarts:
             rz = ops.sym_addmm(r, z, r, alpha=1.0, beta=a)
             r = ops.sym_addmm(z, rz, rz, alpha=1.0, beta=a)
+        if q is None:  # Q = Z + a I, in Z's memory: nothing reads Z after this
+            q = z
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            q = ops.sym_addmm(q, z, q, alpha=1.0, beta=a)
     if q is None:
         return x
     return ops.mm(q, x)
@@ -128,10 +126,13 @@ def orthogonalize(
         x = x.mT
     n, m = x.shape[-2:]
     algorithm = resolve_algorithm(settings.algorithm, n, m)  # of the real shape, before padding
-    xn = x if normalized else _normalize(x, settings.eps, settings.dtype)
-    side = backend.gram_side(n)
-    if side > n:  # zero rows stay zero: the result's first n rows are unchanged
-        xn = torch.nn.functional.pad(xn, (0, 0, 0, side - n))
+    side = backend.gram_side(n)  # zero rows stay zero: the result's first n rows are unchanged
+    if not normalized:
+        xn = backend.normalize(x, settings.eps, settings.dtype, side)
+    elif side > n:
+        xn = torch.nn.functional.pad(x, (0, 0, 0, side - n))
+    else:
+        xn = x
     if algorithm == "gram":
         out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend)
     else:

@@ -113,6 +113,25 @@ def test_sym_gemm_writes_every_element(dtype: torch.dtype, seed: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+@pytest.mark.parametrize("extra", [0, 64])
+def test_normalize_matches_the_reference_bitwise(dtype: torch.dtype, layout: str, extra: int, seed: int) -> None:
+    """Newton-Schulz's input through the row engine's gather: the same fp16 values, memory
+    order and zero rows as the reference's division (the division rounds once in both)."""
+    from dion3_titan.kernels.backend import Backend
+    from dion3_titan.kernels.triton_ops import TritonOps
+
+    x = torch.randn(5, 2752, 1024, device="cuda") * 3.0
+    x = (x if layout == "rows" else x.mT.contiguous().mT).to(dtype)
+    ops = TritonOps()
+    got = ops.normalize(x, 1e-7, torch.float16, 2752 + extra)
+    want = Backend.normalize(ops, x, 1e-7, torch.float16, 2752 + extra)
+    assert got.stride() == want.stride()
+    assert torch.equal(got, want), f"seed {seed}"
+    assert (got[:, 2752:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("decay", [1.0, 0.98])
 def test_fused_update(dtype: torch.dtype, decay: float, seed: int) -> None:
     from dion3_titan.kernels.triton_ops import TritonOps
@@ -182,13 +201,17 @@ def test_cute_sym_gemm(
 ) -> None:
     if not _cute_ready():
         pytest.skip("CuteDSL or an SM90 GPU missing")
+    """The 128 x 128 form (one CTA per tile), on every side, the pair form's too: as
+    _cute_sym_gemm_checked says; outside the kernel's limits it returns None (the backend falls
+    back to Triton)."""
     if layout == "s,s" and k != 640:
         pytest.skip("S @ S has k = n: one case per n")
     from dion3_titan.kernels import cute_symm
 
-    got, _, _ = _cute_sym_gemm_checked(dtype, L, n, k, with_c, layout, seed, monkeypatch)
-    # outside the kernel's limits it returns None: the backend falls back to Triton
+    monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 1 << 30)
+    got, _, built = _cute_sym_gemm_checked(dtype, L, n, k, with_c, layout, seed, monkeypatch)
     assert (got is None) == (n % cute_symm.TILE != 0), f"seed {seed}"
+    assert all(not pair for pair, _ in built), f"the pair kernel ran: {built}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -332,11 +355,11 @@ def test_persistent_kernels_replay_from_a_cuda_graph(seed: int) -> None:
         assert all(torch.equal(o, o.mT) for o in outs[:3])
 
 
-@pytest.mark.parametrize("side", [2048, 4096], ids=["tiles", "pairs"])
+@pytest.mark.parametrize("side", [1024, 2048, 4096], ids=["tiles1024", "pairs2048", "pairs4096"])
 def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int, seed: int, monkeypatch) -> None:
     """backend = "auto" on Hopper: a batch whose shape the measured table sends to CuteDSL
-    (dispatch.prefers_cute: 128 x 128 tiles at 2048, pair tiles at 4096) is orthogonalized by
-    the CuteDSL kernels inside the captured step.
+    (dispatch.prefers_cute: 128 x 128 tiles at 1024, pair tiles from 2048 on) is orthogonalized
+    by the CuteDSL kernels inside the captured step, in the form the table names.
     The capture calls them (the replays call nothing on the host), and the replayed steps move
     the weights exactly as eager steps with backend = "cute" do."""
     if not _cute_ready():
@@ -351,12 +374,17 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
     w0 = torch.randn(*shape, generator=gen).cuda()
     grads = [torch.randn(*shape, generator=gen).cuda() for _ in range(6)]
     calls = {"cute": 0}
-    real = cute_symm.sym_gemm
+    forms: set[bool] = set()  # the pair flag of every kernel the capture built or looked up
+    real, real_compiled = cute_symm.sym_gemm, cute_symm._compiled
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         calls["cute"] += out is not None
         return out
+
+    def compiled_spy(*args):
+        forms.add(args[5])
+        return real_compiled(*args)
 
     moved = {}
     for backend, graphed in (("auto", True), ("cute", False)):
@@ -366,6 +394,7 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
         for i, g in enumerate(grads):
             if graphed and i == 3:
                 monkeypatch.setattr(cute_symm, "sym_gemm", spy)  # the capturing step
+                monkeypatch.setattr(cute_symm, "_compiled", compiled_spy)
             if graphed and i == 4:
                 captured = calls["cute"]
             w.grad = g.clone()
@@ -375,6 +404,7 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
             assert runner.graph is not None, "the step was not captured"
             assert captured > 0, "the captured step ran no CuteDSL kernel"
             assert calls["cute"] == captured, "replays called kernels from the host"
+            assert forms == {cute_symm.pairs(side)}, f"pair form {forms} at side {side}"
         torch.cuda.synchronize()
         moved[backend] = w.detach().clone()
     assert torch.equal(moved["auto"], moved["cute"]), f"replayed steps differ from eager CuteDSL steps (seed {seed})"
