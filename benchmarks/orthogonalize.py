@@ -16,7 +16,7 @@ A table is printed at the end; with $OUT set, everything is also written to
 $OUT/bench_orthogonalize.json.
 
     python scripts/bench_orthogonalize.py [--sweep] [--budget-s 150] [--skip-anchor]
-        [--shapes 32x2048x2048,16x2752x4096] [--variants cublas_mm_add,sym_4warps] [--rounds 6]
+        [--shapes 32x2048x2048,16x2752x4096] [--variants cublas_mm_add,sym_4warps] [--rounds 6] [--profile 12]
 """
 
 from __future__ import annotations
@@ -130,6 +130,31 @@ def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anch
         torch.cuda.empty_cache()
 
 
+def profiled(rows: list[dict], auto: NSSettings, anchor, top: int) -> None:
+    """Per shape, one call of what ``backend = "auto"`` runs and one of the anchor traced
+    (torch.profiler, device activity): the kernels by total time, where the time beyond the
+    products goes. Each row gets them under "profile"."""
+    from benchmarks.timeline import report, summarize, trace_once
+
+    for row in rows:
+        batch, n, m = (int(v) for v in row["shape"].split("x"))
+        x = torch.randn(batch, n, m, device="cuda", dtype=torch.bfloat16)
+        chosen = select_backend("auto", (batch, n, m), torch.float16, x.device)
+        fns = {f"auto ({chosen.name})": lambda x=x, chosen=chosen: orthogonalize(x, auto, chosen)}
+        if anchor is not None and "gram_newton_schulz" in row:
+            fns["anchor"] = lambda x=x: anchor(x)
+        row["profile"] = {}
+        for name, fn in fns.items():
+            fn()  # compiled and warm
+            spans = trace_once(fn)
+            summary = summarize(spans)
+            print(f"profile {row['shape']} {name}:")
+            print("\n".join(report(summary, spans, top, 0)), flush=True)
+            row["profile"][name] = {"busy_ms": summary.union_busy_us / 1e3, "kernels": summary.by_name[:top]}
+        del x
+        torch.cuda.empty_cache()
+
+
 class switched:
     """Context manager: the module attributes of one VARIANTS entry set, then restored."""
 
@@ -190,6 +215,9 @@ def main() -> None:
         default=0,
         help="then time what 'auto' runs on each backend and the anchor again, this many rounds in "
         "alternating order (medians: a card's drift weighs on every column alike)",
+    )
+    parser.add_argument(
+        "--profile", type=int, default=0, help="then trace one call of 'auto' and of the anchor: this many kernels"
     )
     args = parser.parse_args()
     start = time.time()
@@ -314,6 +342,8 @@ def main() -> None:
     result["orthogonalize"] = ns_rows
     if args.rounds and "triton" in ops:
         interleaved(ns_rows, args.rounds, auto, ops, anchor)
+    if args.profile and "auto" in (ns_rows[0] if ns_rows else {}):
+        profiled(ns_rows, auto, anchor, args.profile)
 
     # ---- small shapes: where a kernel backend starts to pay (dispatch.TRITON_MIN_N), eager
     # (do_bench: the host's launches show at these sizes) and captured in a CUDA graph (device

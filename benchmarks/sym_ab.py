@@ -2,15 +2,20 @@
 configs, and of the persistent TMA GEMM (kernels/triton_mm.py) against cuBLAS, in one run.
 
     git show REV:dion3_titan/kernels/triton_ops.py > /tmp/base_triton_ops.py
-    python scripts/bench_sym_ab.py [--baseline /tmp/base_triton_ops.py] [--shapes 4x8192,16x2816x4096] \
-        [--gemm 32x2048x2048x2048+c,16x2816x2816x4096] [--reps 5]
+    git show REV:dion3_titan/kernels/cute_symm.py > base_cute_symm.py
+    python scripts/bench_sym_ab.py [--baseline /tmp/base_triton_ops.py] [--cute-baseline base_cute_symm.py] \
+        [--shapes 4x8192,16x2816x4096] [--gemm 32x2048x2048x2048+c,16x2816x2816x4096] [--reps 5]
 
 ``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, our CuteDSL kernel (its defaults and
-each ``--cute-variants`` setting, e.g. STAGES=5) and quack's ``gemm_symmetric`` where importable, then the persistent TMA
+each ``--cute-variants`` setting, e.g. STAGES=5; with ``--cute-baseline`` another revision's
+too), on X X^T and on X Y^T with Y another copy of X (the product whose diagonal blocks are
+mirrored: "cute_mirror"), and quack's ``gemm_symmetric`` where importable, then the persistent TMA
 kernel (in each of ``SYM_TMA_CONFIGS``, or with ``--configs default`` in the two configs
 ``sym_gemm`` chooses from), the per-tile kernel and the TMA kernel with C (alpha*AB + beta*C,
-square shapes only, each of ``SYM_TMA_C_CONFIGS``), baseline (when given) and current interleaved, each timed ``reps`` times
-with ``triton.testing.do_bench``; the median of those runs is reported, with which kernel
+square shapes only, each of ``SYM_TMA_C_CONFIGS``), baseline (when given) and current. All
+kernels of a shape are timed ``reps`` times with ``triton.testing.do_bench``, interleaved (every
+kernel once, then again in reverse order, ...: a card's rate drifts over a call); the median of
+those runs is reported, with which kernel
 ``sym_gemm`` dispatches to. Every result is checked for exact symmetry and a lower triangle
 equal to the current default's first (a config that does not build is reported as such). ``--gemm``: L x M x K x N, "+c" for alpha*AB + beta*C (C is B itself when
 square, as in X <- aX + BX): cuBLAS bmm/baddbmm against ``mm_tma`` in each of ``GEMM_CONFIGS``
@@ -54,19 +59,24 @@ SYM_TMA_CONFIGS = [  # triton_ops.TmaConfig fields: (BLOCK, BLOCK_K, GROUP, num_
 SYM_TMA_C_CONFIGS = [(128, 64, 8, 8, 4), (128, 64, 8, 8, 3, False, True), (128, 64, 8, 8, 4, False, True)]
 
 
-def _load(path: str):
-    """The baseline revision's triton_ops.py, a file the caller extracted (see the docstring).
+def _load(path: str, name: str):
+    """A baseline revision's kernel module, a file the caller extracted (see the docstring).
     It imports the rest of the package from the current tree, so the revision must be one whose
     imports that tree still provides (for older ones, run the benchmark in their own checkout)."""
-    spec = importlib.util.spec_from_file_location("baseline_triton_ops", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _timed(fn, reps: int) -> tuple[float, list[float]]:
-    runs = [do_bench_ms(fn, rep=200, return_mode="mean") for _ in range(reps)]
-    return statistics.median(runs), runs
+def _interleaved(fns: list, reps: int) -> list[list[float]]:
+    """Each of ``fns`` timed ``reps`` times, in alternating order (A B C, C B A, ...)."""
+    runs: list[list[float]] = [[] for _ in fns]
+    for r in range(reps):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            runs[i].append(do_bench_ms(fns[i], rep=200, return_mode="mean"))
+    return runs
 
 
 def _sym_checked(fn, want: torch.Tensor, label: str) -> bool:
@@ -104,52 +114,56 @@ def _with_cute(setting: str, fn):
     return run
 
 
-def cute_and_quack(x, c, want, want_c, shape: str, cute_variants: list[str]) -> list:
-    """Our CuteDSL kernel (its defaults, and each of ``cute_variants``) and quack's symmetric
-    GEMM, for X X^T (and with C where ``want_c`` is given), where importable; each result
-    checked against the Triton kernel's (quack rounds in its own order: its difference is
-    printed, not required to be 0)."""
+def _cute_cases(module, rev: str, x, y, c, square: bool, variants: list[str]) -> list:
+    """(label, revision, fn) of one cute_symm module: X X^T, X Y^T (mirrored), with C where
+    ``square``, each also under ``variants`` (current revision only)."""
+    products = [("cute", lambda: module.sym_gemm(x, x.mT)), ("cute_mirror", lambda: module.sym_gemm(x, y.mT))]
+    if square:
+        products += [
+            ("cute_addmm", lambda: module.sym_gemm(x, x.mT, c, 0.5, -1.5)),
+            ("cute_mirror_addmm", lambda: module.sym_gemm(x, y.mT, c, 0.5, -1.5)),
+        ]
+    cases = [(label, rev, lambda m, fn=fn: fn()) for label, fn in products]
+    for v in variants if rev == "current" else ():
+        cases += [(f"{label}({v})", rev, lambda m, fn=fn, v=v: _with_cute(v, fn)()) for label, fn in products]
+    return cases
+
+
+def cute_and_quack(x, c, want, want_c, shape: str, cute_variants: list[str], cute_base=None) -> list:
+    """Our CuteDSL kernel (its defaults, each of ``cute_variants``, and ``cute_base``'s when
+    given) and quack's symmetric GEMM, for X X^T and X Y^T (Y a copy of X: the same values, the
+    diagonal mirrored), with C where ``want_c`` is given, where importable; each result checked
+    against the Triton kernel's (quack rounds in its own order: its difference is printed, not
+    required to be 0). Returns (label, revision, fn)."""
     found = []
+    y = x.clone()
     try:
         from dion3_titan.kernels import cute_symm
 
         if cute_symm.is_available():
-            found += [
-                ("cute", lambda m: cute_symm.sym_gemm(x, x.mT)),
-                *(
-                    (f"cute({v})", lambda m, v=v: _with_cute(v, lambda: cute_symm.sym_gemm(x, x.mT))())
-                    for v in cute_variants
-                ),
-            ]
-            if want_c is not None:
-                found.append(("cute_addmm", lambda m: cute_symm.sym_gemm(x, x.mT, c, 0.5, -1.5)))
-                found += [
-                    (
-                        f"cute_addmm({v})",
-                        lambda m, v=v: _with_cute(v, lambda: cute_symm.sym_gemm(x, x.mT, c, 0.5, -1.5))(),
-                    )
-                    for v in cute_variants
-                ]
+            found += _cute_cases(cute_symm, "current", x, y, c, want_c is not None, cute_variants)
+            if cute_base is not None:
+                found += _cute_cases(cute_base, "baseline", x, y, c, want_c is not None, [])
     except ImportError as exc:
         print(f"cute unavailable: {exc}")
     try:
         from quack.gemm_interface import gemm_symmetric
 
-        found.append(("quack", lambda m: gemm_symmetric(x, x.mT)))
+        found.append(("quack", None, lambda m: gemm_symmetric(x, x.mT)))
         if want_c is not None:
-            found.append(("quack_addmm", lambda m: gemm_symmetric(x, x.mT, C=c, alpha=0.5, beta=-1.5)))
+            found.append(("quack_addmm", None, lambda m: gemm_symmetric(x, x.mT, C=c, alpha=0.5, beta=-1.5)))
     except ImportError as exc:
         print(f"quack unavailable: {exc}")
     ok = []
-    for label, fn in found:
+    for label, rev, fn in found:
         ref = want_c if "addmm" in label else want  # "cute_addmm(STAGES=3)" too
-        if _sym_checked(lambda: fn(None), ref, f"{shape} {label}"):
-            ok.append((label, fn))
+        if _sym_checked(lambda: fn(None), ref, f"{shape} {label} {rev or ''}"):
+            ok.append((label, rev, fn))
     return ok
 
 
 def sym_rows(
-    base, shapes: list[str], reps: int, only_default: bool = False, cute_variants: list[str] = ()
+    base, shapes: list[str], reps: int, only_default: bool = False, cute_variants: list[str] = (), cute_base=None
 ) -> list[dict]:
     rows = []
     revisions = [("baseline", base), ("current", current)] if base is not None else [("current", current)]
@@ -177,10 +191,7 @@ def sym_rows(
                 for cfg in c_configs
             ]
         cases = [("cublas_bmm", None, lambda m: torch.bmm(x, x.mT))]
-        cases += [
-            (label, None, fn)
-            for label, fn in cute_and_quack(x, c, want, want_c if k == n else None, shape, cute_variants)
-        ]
+        cases += cute_and_quack(x, c, want, want_c if k == n else None, shape, cute_variants, cute_base)
         for label, fn in kernels:
             for rev, mod in revisions:
                 ref = want_c if label.startswith("tma_addmm") else want
@@ -188,9 +199,10 @@ def sym_rows(
                     cases.append((label, rev, fn))
         side = triton.cdiv(n, 128)
         sym_flop = 2 * L * k * n * n * (side + 1) / (2 * side)
-        for label, rev, fn in cases:
-            mod = base if rev == "baseline" else current
-            ms, runs = _timed(lambda: fn(mod), reps)
+        modules = [base if rev == "baseline" else current for _, rev, _ in cases]
+        timings = _interleaved([lambda fn=fn, mod=mod: fn(mod) for (_, _, fn), mod in zip(cases, modules)], reps)
+        for (label, rev, _), runs in zip(cases, timings):
+            ms = statistics.median(runs)
             flop = 2 * L * n * n * k if label == "cublas_bmm" else sym_flop  # quack too: lower tiles
             rows.append({"L": L, "n": n, "k": k, "kernel": label, "revision": rev, "ms": ms, "ms_runs": runs})
             rows[-1].update(tflops=flop / ms / 1e9, dispatch=picks)
@@ -229,8 +241,8 @@ def gemm_rows(shapes: list[str], reps: int) -> list[dict]:
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
             print(f"{shape} mm_tma{cfg}: rel. difference to cuBLAS {err:.2e}")
             cases.append((f"mm_tma{cfg}", lambda cfg=cfg: triton_mm.mm_tma(a, b, c, alpha, beta, config=cfg)))
-        for label, fn in cases:
-            ms, runs = _timed(fn, reps)
+        for (label, _), runs in zip(cases, _interleaved([fn for _, fn in cases], reps)):
+            ms = statistics.median(runs)
             rows.append(
                 {"shape": shape, "kernel": label, "ms": ms, "ms_runs": runs, "tflops": 2 * L * M * K * N / ms / 1e9}
             )
@@ -241,6 +253,7 @@ def gemm_rows(shapes: list[str], reps: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", default=None, help="a triton_ops.py of another revision")
+    parser.add_argument("--cute-baseline", default=None, help="a cute_symm.py of another revision")
     parser.add_argument("--shapes", default="4x8192,32x2048", help="comma-separated LxN or LxNxK")
     parser.add_argument("--gemm", default="", help="comma-separated LxMxKxN[+c]")
     parser.add_argument("--reps", type=int, default=5)
@@ -253,9 +266,11 @@ def main() -> None:
         help='comma-separated CuteDSL settings to time beside its defaults, e.g. "STAGES=5,PAIR_MIN_N=256+GROUP=4"',
     )
     args = parser.parse_args()
-    base = _load(args.baseline) if args.baseline else None
+    base = _load(args.baseline, "baseline_triton_ops") if args.baseline else None
+    cute_base = _load(args.cute_baseline, "baseline_cute_symm") if args.cute_baseline else None
     variants = [v for v in args.cute_variants.split(",") if v]
-    rows = sym_rows(base, [s for s in args.shapes.split(",") if s], args.reps, args.configs == "default", variants)
+    shapes = [s for s in args.shapes.split(",") if s]
+    rows = sym_rows(base, shapes, args.reps, args.configs == "default", variants, cute_base)
     gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     write_json(output_path(None, "bench_sym_ab.json"), {**meta, "rows": rows, "gemm": gemm})
