@@ -10,7 +10,6 @@ from dion3_titan.optim.config import POLAR_EXPRESS, Dion3Config, coefficient_sch
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import (
     NSSettings,
-    _normalize,
     gram_newton_schulz,
     is_transposed_batch,
     normalize_batch,
@@ -311,7 +310,7 @@ def test_normalize_batch_equals_concatenate_then_normalize(transposed, dtype):
     got = normalize_batch(views, 1e-7, dtype)
     # the concatenation in the views' own memory order (as the step's packing does it)
     batch = torch.cat([v.mT for v in views]).mT if transposed else torch.cat(views)
-    want = _normalize(batch, 1e-7, dtype)
+    want = TorchOps().normalize(batch, 1e-7, dtype, batch.shape[1])
     assert got.dtype == dtype and got.shape == (6, 5, 9)
     assert is_transposed_batch(views) == transposed == (not got.is_contiguous())
     assert torch.equal(got, want)

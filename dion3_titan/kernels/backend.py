@@ -25,6 +25,12 @@ def norm_denominator(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc) + eps
 
 
+def divide_by_norm(x: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """out <- x / (||x||_F + eps) per matrix, rounded once to out's dtype (one pass, no
+    float32 copy of x); out may be a view of a larger buffer."""
+    return torch.div(x, norm_denominator(x, eps), out=out)
+
+
 def normalized_buffer(x: torch.Tensor, dtype: torch.dtype, side: int) -> torch.Tensor:
     """The (B, side, m) result of ``Backend.normalize``: x's memory order where no rows are
     added (a transposed view stays one), else contiguous."""
@@ -43,7 +49,7 @@ class Backend:
         ``dtype``, with zero rows appended up to ``side`` (>= n) rows."""
         n = x.shape[-2]
         out = normalized_buffer(x, dtype, side)
-        torch.div(x, norm_denominator(x, eps), out=out[:, :n])
+        divide_by_norm(x, eps, out[:, :n])
         out[:, n:].zero_()
         return out
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dion3_titan.kernels.backend import Backend, norm_denominator
+from dion3_titan.kernels.backend import Backend, divide_by_norm
 from dion3_titan.kernels.dispatch import resolve_algorithm
 from dion3_titan.optim.config import Coefficients
 
@@ -21,17 +21,6 @@ class NSSettings:
     restarts: tuple[int, ...] = (2,)
     dtype: torch.dtype = torch.float16
     eps: float = 1e-7
-
-
-def _normalize(x: torch.Tensor, eps: float, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x / (||x||_F + eps) per matrix, in ``dtype`` (into ``out`` when given).
-
-    The norm and the division run in float32 (float64 stays float64) so the scale is exact
-    before the one rounding to ``dtype``; the division writes the narrow result directly (one
-    pass, no float32 copy of x)."""
-    if out is None:
-        out = torch.empty_like(x, dtype=dtype)
-    return torch.div(x, norm_denominator(x, eps), out=out)
 
 
 def is_transposed_batch(views: list[torch.Tensor]) -> bool:
@@ -53,7 +42,7 @@ def normalize_batch(views: list[torch.Tensor], eps: float, dtype: torch.dtype) -
         out = torch.empty((total, n, m), dtype=dtype, device=device)
     start = 0
     for v in views:
-        _normalize(v, eps, dtype, out=out[start : start + v.shape[0]])
+        divide_by_norm(v, eps, out[start : start + v.shape[0]])
         start += v.shape[0]
     return out
 
