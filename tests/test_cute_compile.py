@@ -27,9 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # diagonal mirror; without it for the operand layouts of the products that leave it out (X X^T:
 # both k-major; A A: A k-major, A^T n-major), in fp16.
 CONFIGS = [
-    (*config, True)
+    (*config, True, False)
     for config in itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True], [False, True])
-] + [("Float16", "k", b, has_c, pair, False) for b in ("k", "n") for has_c in (False, True) for pair in (False, True)]
+] + [
+    ("Float16", "k", b, has_c, pair, False, general)
+    for b in ("k", "n")
+    for has_c in (False, True)
+    for pair in (False, True)
+    for general in (False, True)
+]
 
 # Compiles each configuration in a fresh process (CuteDSL reads its environment at import) and
 # prints, per configuration, how often each instruction of interest appears in the PTX (the
@@ -51,13 +57,13 @@ INSTRUCTIONS = {
     "vector_shared_store": r"st\.shared(?:::cta)?\.v4\.b32",
 }
 found = {}
-for dtype, a_major, b_major, has_c, pair, mirror in json.loads(sys.argv[1]):
+for dtype, a_major, b_major, has_c, pair, mirror, general in json.loads(sys.argv[1]):
     stages = cute_symm.PAIR_STAGES if pair else cute_symm.STAGES
-    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror).artifacts.PTX
+    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror, general).artifacts.PTX
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
     wgmma = INSTRUCTIONS["wgmma_wide" if pair else "wgmma"]
     counts["wgmma_types"] = sorted(set(re.findall(wgmma, ptx)))
-    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror}"] = counts
+    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general}"] = counts
 print("PTX " + json.dumps(found))
 """
 
@@ -95,13 +101,17 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
     assert len(found) == len(CONFIGS)
     for config, counts in found.items():
         fields = config.split(",")
-        dtype, pair, mirror = fields[0], fields[4] == "True", fields[5] == "True"
+        dtype, pair, mirror, general = fields[0], fields[4] == "True", fields[5] == "True", fields[6] == "True"
         expect_type = {"Float16": "f16", "BFloat16": "bf16"}[dtype]
         assert counts["wgmma_types"] == [expect_type], (config, counts)
         # the pair form: 64 x 256 products per warpgroup, B's panel loaded once for both CTAs
         shaped = ("wgmma_wide", "multicast") if pair else ("wgmma",)
-        for name in (*shaped, "tma_load", "tma_store", "stmatrix", "stmatrix_trans", "setmaxnreg"):
+        # the general mode (every tile, no transpose) stores each block as computed
+        written = ("stmatrix",) if general else ("stmatrix", "stmatrix_trans")
+        for name in (*shaped, "tma_load", "tma_store", *written, "setmaxnreg"):
             assert counts[name] > 0, f"{config}: no {name} in the PTX ({counts})"
+        if general:
+            assert counts["stmatrix_trans"] == 0, (config, counts)
         if not pair:
             assert counts["wgmma_wide"] == counts["multicast"] == 0, (config, counts)
         assert counts["global_store"] == 0, f"{config}: the epilogue stores to global memory per thread ({counts})"

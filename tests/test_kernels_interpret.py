@@ -454,6 +454,18 @@ def test_cute_window_counts_the_padded_gram_side() -> None:
     }
 
 
+def test_cute_general_table_covers_every_tile_once() -> None:
+    """The general mode's tile list: every (row, column) tile exactly once, in bands of GROUP
+    rows taken column by column."""
+    from dion3_titan.kernels import cute_symm
+
+    for rows, cols, group in [(1, 1, 8), (3, 5, 2), (16, 8, 8), (11, 16, 8), (20, 3, 8)]:
+        table = cute_symm._rect_table(rows, cols, group, torch.device("cpu"))
+        got = [tuple(t) for t in table.T.tolist()]
+        assert sorted(got) == [(r, c) for r in range(rows) for c in range(cols)]
+        assert got[: min(group, rows)] == [(r, 0) for r in range(min(group, rows))]
+
+
 def test_cute_module_imports_without_a_gpu() -> None:
     import torch
 

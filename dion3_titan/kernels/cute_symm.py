@@ -29,10 +29,15 @@ the same two shared tiles, one after the other; on the diagonal the block above 
 With C, the second block of C comes into the column-major tile through C's transposed view (C is
 symmetric), and both blocks of C are read before either is overwritten.
 
+The general mode (``gemm``: alpha A B + beta C with no symmetry, X <- a X + B X of standard
+Newton-Schulz): every tile of the (n, m) result in the same banded order, both epilogue tiles
+row-major, each 128 x 128 block stored as computed (a pair's second block, and its C, through
+the second tile).
+
 Limits (the backend falls back to Triton outside them): CUDA SM90 only, n a multiple of 128,
 k a multiple of 8 and each operand with a unit stride in its n or k mode (TMA's 16-byte rule).
-Kernels are compiled once per (dtype, operand majors, with C, stages, pair form, mirror) and
-cached; shapes are dynamic.
+Kernels are compiled once per (dtype, operand majors, with C, stages, pair form, mirror,
+general) and cached; shapes are dynamic.
 CuteDSL is imported lazily: this module imports without it.
 
 Its speed against cuBLAS and against the Triton backend: docs/kernels.md and docs/benchmarks.md.
@@ -62,6 +67,8 @@ STAGES = 4  # 4 x 32 KB of A/B slices in shared memory, beside the 2 x 32 KB epi
 # than Triton's wide tiles at 2816 ("Pair tiles from 2048 on, the mirror in 16-byte copies").
 PAIR_MIN_N = 2048
 PAIR_STAGES = 3
+# X <- a X + B X (CuteOps.mm_add) through the general mode (``gemm``); 0 leaves it to Triton
+GENERAL = 1
 
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers
 _MMA_THREADS = 256
@@ -105,12 +112,17 @@ def _kernel_class() -> type:
         )
 
     class SymGemmSm90:
-        def __init__(self, has_c: bool, stages: int = STAGES, pair: bool = False, mirror: bool = True) -> None:
+        def __init__(
+            self, has_c: bool, stages: int = STAGES, pair: bool = False, mirror: bool = True, general: bool = False
+        ) -> None:
             self.has_c = has_c
+            # general: every tile of a (n, m) product, no symmetry (X <- a X + B X); both epilogue
+            # tiles row-major, a pair's second block through the second one
+            self.general = general
             self.stages = stages
             # mirror: a diagonal block's upper triangle is written as the transpose of its lower
             # (module docstring: where the product needs it)
-            self.mirror = mirror
+            self.mirror = mirror and not general
             # a pair: two CTAs of a cluster share the B panel of one 256 x 256 tile (one TMA
             # load multicast to both); alone: one CTA per 128 x 128 tile
             self.cm = 2 if pair else 1
@@ -173,12 +185,17 @@ def _kernel_class() -> type:
             # D's transposed view at (i, j) (the same memory with the row and column strides
             # swapped), whose TMA box is contiguous along the view's rows.
             row, col = utils.LayoutEnum.ROW_MAJOR, utils.LayoutEnum.COL_MAJOR
+            second = row if self.general else col
             self.d_smem = cute.slice_(sm90.make_smem_layout_epi(self.d_dtype, row, (TILE, TILE), 1), (None, None, 0))
-            self.dt_smem = cute.slice_(sm90.make_smem_layout_epi(self.d_dtype, col, (TILE, TILE), 1), (None, None, 0))
-            mDT = cute.make_tensor(
-                mD.iterator,
-                cute.make_layout(mD.shape, stride=(mD.stride[1], mD.stride[0], mD.stride[2])),
+            self.dt_smem = cute.slice_(
+                sm90.make_smem_layout_epi(self.d_dtype, second, (TILE, TILE), 1), (None, None, 0)
             )
+            mDT = mD  # general: the second tile stores a pair's second block of D itself
+            if cutlass.const_expr(not self.general):
+                mDT = cute.make_tensor(
+                    mD.iterator,
+                    cute.make_layout(mD.shape, stride=(mD.stride[1], mD.stride[0], mD.stride[2])),
+                )
             tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD, self.d_smem, (TILE, TILE)
             )
@@ -195,10 +212,13 @@ def _kernel_class() -> type:
                 if cutlass.const_expr(self.cm > 1):
                     # a pair's second block of C comes into the column-major tile through C's
                     # transposed view: block (i, j) of C^T is block (i, j) of C, C being symmetric
-                    mCT = cute.make_tensor(
-                        mC.iterator,
-                        cute.make_layout(mC.shape, stride=(mC.stride[1], mC.stride[0], mC.stride[2])),
-                    )
+                    # (general: into the second row-major tile from C itself)
+                    mCT = mC
+                    if cutlass.const_expr(not self.general):
+                        mCT = cute.make_tensor(
+                            mC.iterator,
+                            cute.make_layout(mC.shape, stride=(mC.stride[1], mC.stride[0], mC.stride[2])),
+                        )
                     tma_ct, tCT = cute.nvgpu.cpasync.make_tiled_tma_atom(
                         cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mCT, self.dt_smem, (TILE, TILE)
                     )
@@ -494,50 +514,73 @@ def _kernel_class() -> type:
                         outs[blk].store(res.to(self.d_dtype))
                     if cutlass.const_expr(self.has_c):
                         c_read.advance()
-                    for blk in cutlass.range_constexpr(self.cm):
-                        j = tj * self.cm + blk
-                        if j <= i:  # a pair's tile on the diagonal has one block above it
-                            # the previous block's (or tile's) stores must have read the tiles
-                            if warp == _STORE_WARP:
-                                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                            # ... and every thread be done with C's blocks
-                            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                    if cutlass.const_expr(self.general):
+                        # every block is written and stored as computed: block b of the CTA tile
+                        # through epilogue tile b, both row-major, after the previous tile's
+                        # stores have read them and every thread is done with C's blocks
+                        if warp == _STORE_WARP:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                        for blk in cutlass.range_constexpr(self.cm):
                             for strip in cutlass.range_constexpr(strips):
                                 for v in cutlass.range_constexpr(per_strip):
                                     strip_regs[v] = rs_outs[blk][strip * per_strip + v]
-                                cute.copy(r2s_d, strip_regs, r2s_d.partition_D(sD_strips[(None, None, 0, strip)]))
-                                cute.copy(r2s_dt, strip_regs, r2s_dt.partition_D(sDT_strips[(None, None, 0, strip)]))
-                            if cutlass.const_expr(self.mirror):
-                                if i == j:
-                                    # a diagonal block: the upper triangle becomes the transpose of
-                                    # the lower, whatever the MMA's summation order. sDT holds the
-                                    # block too, in a layout that is sD's with its modes swapped:
-                                    # sDT[c, r] lies at sD[r, c]'s offset. So the mirror copies sDT's
-                                    # memory into sD's at equal offsets, 16 bytes (8 columns of a
-                                    # row) at a time; a chunk the diagonal crosses keeps its lower
-                                    # part (merged in registers). Chunks are dealt round-robin, so
-                                    # every warp gets rows from the whole block.
-                                    cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                                    for e in cutlass.range_constexpr(TILE * _ROW_CHUNKS // _MMA_THREADS):
-                                        q = e * _MMA_THREADS + mma_tidx
-                                        r = q // _ROW_CHUNKS
-                                        chunk = q - r * _ROW_CHUNKS
-                                        c0 = chunk * _CHUNK
-                                        if c0 + _CHUNK - 1 > r:  # some of its columns lie above the diagonal
-                                            cute.autovec_copy(sDT_as_D[(None, (r, chunk))], upper)
-                                            if c0 <= r:
-                                                cute.autovec_copy(sD_chunks[(None, (r, chunk))], lower)
-                                                for v in cutlass.range_constexpr(_CHUNK):
-                                                    if c0 + v <= r:
-                                                        upper[v] = lower[v]
-                                            cute.autovec_copy(upper, sD_chunks[(None, (r, chunk))])
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                            if warp == _STORE_WARP:
-                                cute.copy(tma_d, tDsD, tDgD[(None, i, j, batch)])
-                                if i != j:
-                                    cute.copy(tma_dt, tTsT, tTgT[(None, i, j, batch)])
-                                cute.arch.cp_async_bulk_commit_group()
+                                dst = [sD_strips, sDT_strips][blk][(None, None, 0, strip)]
+                                cute.copy(r2s_d, strip_regs, r2s_d.partition_D(dst))
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                        if warp == _STORE_WARP:
+                            cute.copy(tma_d, tDsD, tDgD[(None, i, tj * self.cm, batch)])
+                            if cutlass.const_expr(self.cm > 1):
+                                cute.copy(tma_dt, tTsT, tTgT[(None, i, tj * self.cm + 1, batch)])
+                            cute.arch.cp_async_bulk_commit_group()
+                    else:
+                        for blk in cutlass.range_constexpr(self.cm):
+                            j = tj * self.cm + blk
+                            if j <= i:  # a pair's tile on the diagonal has one block above it
+                                # the previous block's (or tile's) stores must have read the tiles
+                                if warp == _STORE_WARP:
+                                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                                # ... and every thread be done with C's blocks
+                                cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                                for strip in cutlass.range_constexpr(strips):
+                                    for v in cutlass.range_constexpr(per_strip):
+                                        strip_regs[v] = rs_outs[blk][strip * per_strip + v]
+                                    cute.copy(r2s_d, strip_regs, r2s_d.partition_D(sD_strips[(None, None, 0, strip)]))
+                                    cute.copy(
+                                        r2s_dt, strip_regs, r2s_dt.partition_D(sDT_strips[(None, None, 0, strip)])
+                                    )
+                                if cutlass.const_expr(self.mirror):
+                                    if i == j:
+                                        # a diagonal block: the upper triangle becomes the transpose of
+                                        # the lower, whatever the MMA's summation order. sDT holds the
+                                        # block too, in a layout that is sD's with its modes swapped:
+                                        # sDT[c, r] lies at sD[r, c]'s offset. So the mirror copies sDT's
+                                        # memory into sD's at equal offsets, 16 bytes (8 columns of a
+                                        # row) at a time; a chunk the diagonal crosses keeps its lower
+                                        # part (merged in registers). Chunks are dealt round-robin, so
+                                        # every warp gets rows from the whole block.
+                                        cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                                        for e in cutlass.range_constexpr(TILE * _ROW_CHUNKS // _MMA_THREADS):
+                                            q = e * _MMA_THREADS + mma_tidx
+                                            r = q // _ROW_CHUNKS
+                                            chunk = q - r * _ROW_CHUNKS
+                                            c0 = chunk * _CHUNK
+                                            if c0 + _CHUNK - 1 > r:  # some of its columns lie above the diagonal
+                                                cute.autovec_copy(sDT_as_D[(None, (r, chunk))], upper)
+                                                if c0 <= r:
+                                                    cute.autovec_copy(sD_chunks[(None, (r, chunk))], lower)
+                                                    for v in cutlass.range_constexpr(_CHUNK):
+                                                        if c0 + v <= r:
+                                                            upper[v] = lower[v]
+                                                cute.autovec_copy(upper, sD_chunks[(None, (r, chunk))])
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                                if warp == _STORE_WARP:
+                                    cute.copy(tma_d, tDsD, tDgD[(None, i, j, batch)])
+                                    if i != j:
+                                        cute.copy(tma_dt, tTsT, tTgT[(None, i, j, batch)])
+                                    cute.arch.cp_async_bulk_commit_group()
                     t += nblk
                 if warp == _STORE_WARP:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -572,34 +615,37 @@ def _compiled(
     stages: int = STAGES,
     pair: bool = False,
     mirror: bool = True,
+    general: bool = False,
 ) -> Any:
-    """Compile once per configuration; shapes and strides stay dynamic (symbolic)."""
+    """Compile once per configuration; shapes and strides stay dynamic (symbolic). ``general``:
+    the (n, m) product of ``gemm`` (m its own size), else the symmetric (n, n) one."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     dtype = getattr(cutlass, dtype_name)
     n, k, L = cute.sym_int(), cute.sym_int(divisibility=8), cute.sym_int()
+    m = cute.sym_int() if general else n
 
-    def operand(major: str) -> Any:
-        # (n, k, L): unit stride along k (row-major) or along n (column-major)
+    def operand(rows: Any, major: str) -> Any:
+        # (rows, k, L): unit stride along k (row-major) or along the rows (column-major)
         s = cute.sym_int64(divisibility=8)
         sl = cute.sym_int64(divisibility=8)
         stride = (s, 1, sl) if major == "k" else (1, s, sl)
-        return make_fake_tensor(dtype, (n, k, L), stride, assumed_align=16)
+        return make_fake_tensor(dtype, (rows, k, L), stride, assumed_align=16)
 
-    square = (n, n, L)
-    sq_stride = (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8))
-    c = make_fake_tensor(dtype, square, sq_stride, assumed_align=16)
+    out_shape = (n, m, L)
+    out_stride = (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8))
+    c = make_fake_tensor(dtype, out_shape, out_stride, assumed_align=16)
     d = make_fake_tensor(
-        dtype, square, (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)), assumed_align=16
+        dtype, out_shape, (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)), assumed_align=16
     )
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
-    gemm = _kernel_class()(has_c, stages, pair, mirror)
+    kernel = _kernel_class()(has_c, stages, pair, mirror, general)
     return cute.compile(
-        gemm,
-        operand(a_major),
-        operand(b_major),
+        kernel,
+        operand(n, a_major),
+        operand(m, b_major),
         c,
         d,
         tiles,
@@ -616,6 +662,17 @@ def _tile_table(side: int, group: int, device: torch.device) -> torch.Tensor:
     """(2, T(T+1)/2) int32 rows/cols of the lower-triangle tiles in the order the CTAs take
     them: the Triton kernels' banded order (``triton_ops.tile_order``, one rule for both)."""
     return tile_order(side, group, device).T.contiguous()
+
+
+@functools.cache
+def _rect_table(rows: int, cols: int, group: int, device: torch.device) -> torch.Tensor:
+    """(2, rows * cols) int32 rows/cols of every tile of a general product, in bands of
+    ``group`` tile rows, column by column inside a band (the symmetric kernel's order without
+    the triangle), so the CTAs running at once share A and B panels in L2."""
+    order = [
+        (r, c) for band in range(0, rows, group) for c in range(cols) for r in range(band, min(band + group, rows))
+    ]
+    return torch.tensor(order, dtype=torch.int32).T.contiguous().to(device)
 
 
 def _same_operand(a: torch.Tensor, bt: torch.Tensor, b: torch.Tensor) -> bool:
@@ -680,6 +737,56 @@ def sym_gemm(
     return out
 
 
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """alpha * a @ b (+ beta * c), a (L, n, k), b (L, k, m), c (L, n, m): the symmetric kernel
+    in its general mode (every tile; X <- a X + B X of standard Newton-Schulz). None outside its
+    limits (n and m multiples of 128, of 256 for the pair form; as ``sym_gemm`` otherwise)."""
+    L, n, k = a.shape
+    m = b.shape[2]
+    bt = b.mT  # (L, m, k)
+    a_major, b_major = _major(a), _major(bt)
+    if (
+        a.dtype not in _DTYPES
+        or b.dtype != a.dtype
+        or n % TILE != 0
+        or m % TILE != 0
+        or k % 8 != 0
+        or a_major is None
+        or b_major is None
+        or L == 0
+        or k == 0
+    ):
+        return None
+    has_c = c is not None and beta != 0.0
+    if has_c and (c.stride(2) != 1 or c.dtype != a.dtype):
+        c = c.contiguous().to(a.dtype)
+    if out is None:
+        out = torch.empty((L, n, m), dtype=a.dtype, device=a.device)
+    pair = pairs(n) and m % (2 * TILE) == 0
+    cm = 2 if pair else 1
+    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, PAIR_STAGES if pair else STAGES, pair, False, True)
+    table = _rect_table(n // (TILE * cm), m // (TILE * cm), GROUP, a.device)
+    ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
+    fn(
+        _as_nkl(a),
+        _as_nkl(bt),
+        _as_nkl(c if has_c else out),
+        _as_nkl(out),
+        table,
+        ctas,
+        float(alpha),
+        float(beta),
+    )
+    return out
+
+
 class CuteOps(TritonOps):
     """Symmetric products through the CuteDSL SM90 kernel (Triton outside its limits);
     general products and the fused update as in the Triton backend."""
@@ -692,6 +799,10 @@ class CuteOps(TritonOps):
                 "backend='cute' needs nvidia-cutlass-dsl importable and a Hopper (SM90) CUDA GPU; "
                 "use backend='triton' or 'auto'"
             )
+
+    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+        out = gemm(a, b, c, alpha, beta) if GENERAL else None
+        return out if out is not None else super().mm_add(a, b, c, alpha, beta)
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = sym_gemm(a, b)

@@ -275,6 +275,46 @@ def _cute_sym_gemm_checked(dtype, L: int, n: int, k: int, with_c: bool, layout: 
     return got, out, built
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape", [(3, 256, 384, 512), (2, 2048, 2048, 1536), (1, 1024, 640, 3072), (2, 384, 256, 640), (2, 512, 256, 640)]
+)
+@pytest.mark.parametrize("with_c", [False, True])
+@pytest.mark.parametrize("b_layout", ["rows", "transposed"])
+def test_cute_gemm_general(dtype, shape: tuple, with_c: bool, b_layout: str, seed: int, monkeypatch) -> None:
+    """The general mode (every tile, X <- a X + B X of standard NS): alpha A B + beta C into a
+    NaN-filled buffer, every element written, error against float64 within twice cuBLAS's, in
+    the pair form where n and m are multiples of 256 from PAIR_MIN_N on (forced from 256 here)
+    and in 128 x 128 tiles where either is not (n = 384, m = 640)."""
+    if not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan.kernels import cute_symm
+
+    monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 256)
+    built = []
+    real = cute_symm._compiled
+    monkeypatch.setattr(cute_symm, "_compiled", lambda *args: built.append(args[5:]) or real(*args))
+    L, n, k, m = shape
+    a = torch.randn(L, n, k, device="cuda").to(dtype)
+    b = torch.randn(L, k, m, device="cuda").to(dtype)
+    if b_layout == "transposed":
+        b = b.mT.contiguous().mT
+    c = torch.randn(L, n, m, device="cuda").to(dtype) if with_c else None
+    alpha, beta = (0.75, -1.25) if with_c else (1.0, 0.0)
+    ref = alpha * torch.bmm(a.double(), b.double())
+    theirs = torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b, alpha=alpha, beta=beta)
+    if c is not None:
+        ref = ref + beta * c.double()
+    out = torch.full((L, n, m), float("nan"), device="cuda", dtype=dtype)
+    got = cute_symm.gemm(a, b, c, alpha, beta, out=out)
+    assert got is out
+    pair = n % 256 == 0 and m % 256 == 0
+    assert built == [(pair, False, True)], f"ran {built}"
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), f"unwritten or non-finite output (seed {seed})"
+    assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6, f"seed {seed}"
+
+
 @pytest.mark.parametrize("shape", [(4, 512, 1536), (2, 1536, 512), (4, 256, 1024)], ids=["wide", "tall", "side256"])
 def test_auto_picks_triton_for_gram_ns_in_the_optimizer(shape, seed: int, monkeypatch) -> None:
     """From a Gram side of 256 on, backend = "auto" orthogonalizes fp16 batches in Triton: one
