@@ -9,7 +9,8 @@ and the FLOP floor (kernels/flops.py, symmetric products at half cost, of the re
 shape) at two dense fp16 rates measured in the same run: 8192^3 and a batched product of the
 shape's own size, (batch, n, n) @ (batch, n, m). ``--variants`` also times "auto" with kernel
 switches turned (the Triton GEMM of kernels/triton_mm.py for A @ B + C, A @ B or both, in place
-of cuBLAS) in the same run.
+of cuBLAS; the CuteDSL general mode off) in the same run, and in the
+alternating rounds of ``--rounds``.
 Then the symmetric GEMM against cuBLAS bmm/baddbmm at batch 4, n = 2048, 4096, 8192 (k = n).
 Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up, on random inputs.
 A table is printed at the end; with $OUT set, everything is also written to
@@ -32,7 +33,7 @@ import triton
 from benchmarks.output import fmt, output_path, write_json
 from benchmarks.timing import do_bench_ms as bench
 from benchmarks.timing import graph_ms, matmul_tflops
-from dion3_titan.kernels import triton_mm, triton_ops
+from dion3_titan.kernels import cute_symm, triton_mm, triton_ops
 from dion3_titan.kernels.dispatch import get_backend, select_backend
 from dion3_titan.kernels.flops import ns_flops
 from dion3_titan.optim.config import MUON_QUINTIC, coefficient_schedule
@@ -50,6 +51,8 @@ VARIANTS = {
     "sym_narrow": [(triton_ops, "TMA_WIDE_CONFIG", None)],
     "sym_wide_all": [(triton_ops, "TMA_WIDE_MIN_N", 0)],
     "sym_tile_only": [(triton_ops, "TMA_MIN_KSTEPS_PER_SM", 2**40)],
+    # CuteDSL backend switches (timed on the cute backend)
+    "cute_no_general": [(cute_symm, "GENERAL", 0)],
 }
 SYM_SIDES = (2048, 4096, 8192)
 SWEEP = [  # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)
@@ -98,7 +101,12 @@ def shape_rate(batch: int, n: int, m: int) -> float:
     return 2 * batch * n * n * m / bench(lambda: torch.bmm(a, b)) / 1e9
 
 
-def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anchor) -> None:
+def variant_backend(variant: str) -> str:
+    """The backend a --variants entry is timed on."""
+    return "cute" if variant.startswith("cute_") else "triton"
+
+
+def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anchor, variants: list[str]) -> None:
     """Per shape, what ``ns_algorithm = "auto"`` runs on each kernel backend, and the anchor,
     timed ``rounds`` times in alternating order (A B C, C B A, ...); each row gets the medians
     and every timing under "interleaved", and its backends' and the chosen one's ratio to the
@@ -108,6 +116,15 @@ def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anch
         batch, n, m = (int(v) for v in row["shape"].split("x"))
         x = torch.randn(batch, n, m, device="cuda", dtype=torch.bfloat16)
         fns = {name: (lambda be=be, x=x: orthogonalize(x, auto, be)) for name, be in ops.items() if name != "torch"}
+        for variant in variants:
+            name = variant_backend(variant)
+            if name in ops:
+
+                def run(x=x, be=ops[name], changes=VARIANTS[variant]):
+                    with switched(changes):
+                        return orthogonalize(x, auto, be)
+
+                fns[f"{name}[{variant}]"] = run
         if anchor is not None and "gram_newton_schulz" in row:
             fns["anchor"] = lambda x=x: anchor(x)
         times: dict[str, list[float]] = {name: [] for name in fns}
@@ -309,6 +326,9 @@ def main() -> None:
             )
             if "cute" in ops:
                 row["auto_cute"] = bench(lambda: orthogonalize(x, auto, ops["cute"]))
+                row["auto_cute_vs_torch_relerr"] = rel(
+                    orthogonalize(x, auto, ops["cute"]), orthogonalize(x, auto, get_backend("torch"))
+                )
             # what the optimizer runs: backend = "auto" picks per shape (kernels/dispatch.py)
             chosen = select_backend("auto", (batch, n, m), torch.float16, x.device)
             row["auto_backend"] = chosen.name
@@ -316,8 +336,10 @@ def main() -> None:
             row["auto_graph"] = graph_ms(lambda: orthogonalize(x, auto, chosen), reps=20)
             row["fraction_of_dense"] = row["floor_ms"] / row["auto"]
             for variant in variants:
-                with switched(VARIANTS[variant]):
-                    row[f"auto_triton[{variant}]"] = bench(lambda: orthogonalize(x, auto, tri))
+                name = variant_backend(variant)
+                if name in ops:
+                    with switched(VARIANTS[variant]):
+                        row[f"auto_{name}[{variant}]"] = bench(lambda: orthogonalize(x, auto, ops[name]))
         print("ns", json.dumps(row))
         ns_rows.append(row)
         del x, ref
@@ -341,7 +363,7 @@ def main() -> None:
         del x
     result["orthogonalize"] = ns_rows
     if args.rounds and "triton" in ops:
-        interleaved(ns_rows, args.rounds, auto, ops, anchor)
+        interleaved(ns_rows, args.rounds, auto, ops, anchor, variants)
     if args.profile and "auto" in (ns_rows[0] if ns_rows else {}):
         profiled(ns_rows, auto, anchor, args.profile)
 
@@ -377,7 +399,7 @@ def main() -> None:
         "gram_newton_schulz",
         "auto_vs_anchor",
         "fraction_of_dense",
-    ] + [f"auto_triton[{v}]" for v in variants]
+    ] + [f"auto_{variant_backend(v)}[{v}]" for v in variants]
     print(f"{'shape':>14} " + " ".join(f"{c[-15:]:>15}" for c in cols))
     for row in ns_rows:
         print(f"{row['shape']:>14} " + " ".join(fmt(row.get(c), ".2f", 15) for c in cols))

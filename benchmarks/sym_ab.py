@@ -19,7 +19,9 @@ those runs is reported, with which kernel
 ``sym_gemm`` dispatches to. Every result is checked for exact symmetry and a lower triangle
 equal to the current default's first (a config that does not build is reported as such). ``--gemm``: L x M x K x N, "+c" for alpha*AB + beta*C (C is B itself when
 square, as in X <- aX + BX): cuBLAS bmm/baddbmm against ``mm_tma`` in each of ``GEMM_CONFIGS``
-(a config that does not build or fit is reported as such), each result checked against cuBLAS.
+(a config that does not build or fit is reported as such), our CuteDSL kernel's general mode
+(its defaults and each ``--cute-variants`` setting) and quack's GEMM, each result checked
+against cuBLAS.
 Rates count the FLOPs each kernel runs (2LMKN; the symmetric kernel its lower tiles only). With
 $OUT set the rows are also written to $OUT/bench_sym_ab.json.
 """
@@ -213,7 +215,45 @@ def sym_rows(
     return rows
 
 
-def gemm_rows(shapes: list[str], reps: int) -> list[dict]:
+def _general_cases(a, b, c, alpha: float, beta: float, want, shape: str, cute_variants: list[str]) -> list:
+    """(label, fn) of our CuteDSL kernel's general mode (``cute_symm.gemm``: its defaults and
+    each of ``cute_variants``) and quack's GEMM (what gram-newton-schulz calls for X <- aX + BX,
+    untuned), where importable, each result's difference to cuBLAS printed."""
+    found = []
+    try:
+        from dion3_titan.kernels import cute_symm
+
+        if cute_symm.is_available():
+            found.append(("cute_gemm", lambda: cute_symm.gemm(a, b, c, alpha, beta)))
+            found += [(f"cute_gemm({v})", _with_cute(v, found[0][1])) for v in cute_variants]
+    except ImportError as exc:
+        print(f"cute unavailable: {exc}")
+    try:
+        from quack.gemm_interface import gemm, gemm_add
+
+        if c is None:
+            found.append(("quack_gemm", lambda: gemm(a, b, tuned=False)))
+        else:
+            found.append(("quack_gemm_add", lambda: gemm_add(a, b, C=c, alpha=alpha, beta=beta, tuned=False)))
+    except ImportError as exc:
+        print(f"quack unavailable: {exc}")
+    kept = []
+    for label, fn in found:
+        try:
+            got = fn()
+        except Exception as exc:  # e.g. a variant that does not fit shared memory
+            print(f"{shape} {label}: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        if got is None:
+            print(f"{shape} {label}: outside its limits")
+            continue
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        print(f"{shape} {label}: rel. difference to cuBLAS {err:.2e}")
+        kept.append((label, fn))
+    return kept
+
+
+def gemm_rows(shapes: list[str], reps: int, cute_variants: list[str]) -> list[dict]:
     rows = []
     for shape in shapes:
         with_c = shape.endswith("+c")
@@ -241,6 +281,7 @@ def gemm_rows(shapes: list[str], reps: int) -> list[dict]:
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
             print(f"{shape} mm_tma{cfg}: rel. difference to cuBLAS {err:.2e}")
             cases.append((f"mm_tma{cfg}", lambda cfg=cfg: triton_mm.mm_tma(a, b, c, alpha, beta, config=cfg)))
+        cases += _general_cases(a, b, c, alpha, beta, want, shape, cute_variants)
         for (label, _), runs in zip(cases, _interleaved([fn for _, fn in cases], reps)):
             ms = statistics.median(runs)
             rows.append(
@@ -271,7 +312,7 @@ def main() -> None:
     variants = [v for v in args.cute_variants.split(",") if v]
     shapes = [s for s in args.shapes.split(",") if s]
     rows = sym_rows(base, shapes, args.reps, args.configs == "default", variants, cute_base)
-    gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps)
+    gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps, variants)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     write_json(output_path(None, "bench_sym_ab.json"), {**meta, "rows": rows, "gemm": gemm})
 

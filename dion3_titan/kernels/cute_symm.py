@@ -67,7 +67,10 @@ STAGES = 4  # 4 x 32 KB of A/B slices in shared memory, beside the 2 x 32 KB epi
 # than Triton's wide tiles at 2816 ("Pair tiles from 2048 on, the mirror in 16-byte copies").
 PAIR_MIN_N = 2048
 PAIR_STAGES = 3
-# X <- a X + B X (CuteOps.mm_add) through the general mode (``gemm``); 0 leaves it to Triton
+# X <- a X + B X (CuteOps.mm_add) through the general mode (``gemm``): 5% faster than the Triton
+# GEMM at 32 x 2048^2 and 8 x 4096^2, level with quack's; 0 leaves it to Triton. Gram NS's Q X
+# stays on cuBLAS, level with the general mode there (docs/benchmarks.md, "The general mode of
+# the CuteDSL kernel").
 GENERAL = 1
 
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers

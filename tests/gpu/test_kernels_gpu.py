@@ -399,8 +399,8 @@ def test_persistent_kernels_replay_from_a_cuda_graph(seed: int) -> None:
 def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int, seed: int, monkeypatch) -> None:
     """backend = "auto" on Hopper: a batch whose shape the measured table sends to CuteDSL
     (dispatch.prefers_cute: 128 x 128 tiles at 1024, pair tiles from 2048 on) is orthogonalized
-    by the CuteDSL kernels inside the captured step, in the form the table names.
-    The capture calls them (the replays call nothing on the host), and the replayed steps move
+    by the CuteDSL kernels inside the captured step, in the form the table names, its
+    X <- a X + B X in the general mode (cute_symm.GENERAL). The capture calls them (the replays call nothing on the host), and the replayed steps move
     the weights exactly as eager steps with backend = "cute" do."""
     if not _cute_ready():
         pytest.skip("CuteDSL or an SM90 GPU missing")
@@ -413,13 +413,18 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(*shape, generator=gen).cuda()
     grads = [torch.randn(*shape, generator=gen).cuda() for _ in range(6)]
-    calls = {"cute": 0}
+    calls = {"cute": 0, "general": 0}
     forms: set[bool] = set()  # the pair flag of every kernel the capture built or looked up
-    real, real_compiled = cute_symm.sym_gemm, cute_symm._compiled
+    real, real_gemm, real_compiled = cute_symm.sym_gemm, cute_symm.gemm, cute_symm._compiled
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         calls["cute"] += out is not None
+        return out
+
+    def gemm_spy(*args, **kwargs):
+        out = real_gemm(*args, **kwargs)
+        calls["general"] += out is not None
         return out
 
     def compiled_spy(*args):
@@ -434,16 +439,18 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
         for i, g in enumerate(grads):
             if graphed and i == 3:
                 monkeypatch.setattr(cute_symm, "sym_gemm", spy)  # the capturing step
+                monkeypatch.setattr(cute_symm, "gemm", gemm_spy)
                 monkeypatch.setattr(cute_symm, "_compiled", compiled_spy)
             if graphed and i == 4:
-                captured = calls["cute"]
+                captured = dict(calls)
             w.grad = g.clone()
             runner.step()
         monkeypatch.undo()
         if graphed:
             assert runner.graph is not None, "the step was not captured"
-            assert captured > 0, "the captured step ran no CuteDSL kernel"
-            assert calls["cute"] == captured, "replays called kernels from the host"
+            assert captured["cute"] > 0, "the captured step ran no CuteDSL kernel"
+            assert captured["general"] > 0 or not cute_symm.GENERAL, "X <- a X + B X did not run in CuteDSL"
+            assert calls == captured, "replays called kernels from the host"
             assert forms == {cute_symm.pairs(side)}, f"pair form {forms} at side {side}"
         torch.cuda.synchronize()
         moved[backend] = w.detach().clone()
