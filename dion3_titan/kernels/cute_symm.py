@@ -791,8 +791,8 @@ def gemm(
 
 
 class CuteOps(TritonOps):
-    """Symmetric products through the CuteDSL SM90 kernel (Triton outside its limits);
-    general products and the fused update as in the Triton backend."""
+    """Symmetric products and alpha A B + beta C (X <- a X + B X) through the CuteDSL SM90
+    kernel (Triton outside its limits); A B and the fused update as in the Triton backend."""
 
     name = "cute"
 
