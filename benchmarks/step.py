@@ -30,6 +30,11 @@ adds its rows: ``dion.Muon`` with Gram NS + kernels and its Dion3-family optimiz
 benchmarked flavor (``Dion3`` for NorMuon, ``Dion2`` for Muon) at f = 1, 1/2, 1/4, eager and
 under its ``CudaGraphOptimizer``; the xDion column divides our row by its counterpart.
 
+``--settings`` runs each of our Dion3 rows again under module settings (e.g.
+``cute_symm.GENERAL=0`` or ``cute_symm.PAIR_MIN_N=4096+cute_symm.GROUP=16``), as
+"<row>[<variant>]" right after it: an A/B of a kernel switch inside one run, each beside the
+same anchor row.
+
 Execution order puts the eager stack first, then the graph rows, then torch.optim.Muon and
 megabatching off; ``--budget-s`` skips (and reports) any configuration predicted to end past it.
 
@@ -53,7 +58,15 @@ import torch.distributed as dist
 from benchmarks.llama import MODELS, GradFiller, ModelShape, build_model, count_params
 from benchmarks.output import fmt, output_path, write_json
 from benchmarks.ranks import all_ranks_true, init_distributed, log, rank, world_size
-from benchmarks.step_configs import GRAPH_WARMUP, WEIGHT_DECAY, anchor_module, build_configs, estimate_s, run_priority
+from benchmarks.step_configs import (
+    GRAPH_WARMUP,
+    WEIGHT_DECAY,
+    anchor_module,
+    applied,
+    build_configs,
+    estimate_s,
+    run_priority,
+)
 from benchmarks.step_report import attach_adamw_floor, attach_flops, attach_ratios, print_table
 from benchmarks.step_runners import graphed_optimizer_class, unavailable_reason
 from benchmarks.step_timing import free_memory, not_run, run_config
@@ -95,6 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (graph rows: at least 5)")
     p.add_argument("--only", default="", help="comma-separated glob patterns of config names")
     p.add_argument(
+        "--settings",
+        default="",
+        help="comma-separated variants, each MODULE.ATTR=VALUE[+...] (e.g. cute_symm.GENERAL=0): each of "
+        "our Dion3 rows also runs under each, as '<row>[<variant>]', right after it in the same process",
+    )
+    p.add_argument(
         "--budget-s", type=float, default=1e9, help="skip configurations predicted to end after this many seconds"
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
@@ -134,6 +153,10 @@ def describe_device(device: torch.device) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        configs = build_configs(args)
+    except ValueError as exc:  # a bad --settings: one line, before anything runs
+        raise SystemExit(str(exc)) from None
     t_start = time.time()
     device, mesh = init_distributed(args.device)
     world = world_size()
@@ -198,7 +221,6 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     flops: dict[str, float | None] = {}
     walls: dict[str, float] = {}
-    configs = build_configs(args)
     for cfg in sorted(configs, key=run_priority):
         why = unavailable_reason(cfg, device, graph_note)
         if why:
@@ -212,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             log(f"  {cfg.name:<22} skipped (budget)")
             continue
         t_cfg = time.time()
-        row = run_config(cfg, model, grads, device, args, graph_cls)
+        with applied(cfg.settings):
+            row = run_config(cfg, model, grads, device, args, graph_cls)
         row["wall_s"] = walls[cfg.name] = time.time() - t_cfg
         flops[cfg.name] = row.pop("_ns_flops", None)
         rows.append(row)

@@ -5,7 +5,12 @@ order they run in, and how long each should take."""
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import dataclasses
 import fnmatch
+import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 MATRIX_LR = 0.02
@@ -24,6 +29,8 @@ class BenchConfig:
     # each step is handed the gradients' total norm first, as torchtitan's gradient clipping
     # does (dion3_titan/clipping.py), so Dion3 makes no finiteness pass of its own
     given_norm: bool = False
+    # module attributes set while this row runs (``--settings``): (module, attribute, value)
+    settings: tuple[tuple[str, str, object], ...] = ()
 
 
 def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
@@ -96,7 +103,68 @@ def build_configs(args: argparse.Namespace) -> list[BenchConfig]:
     if args.only:
         patterns = args.only.split(",")
         configs = [c for c in configs if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
-    return configs
+    return with_settings(configs, getattr(args, "settings", ""))
+
+
+def parse_setting(text: str) -> tuple[str, str, object]:
+    """ "cute_symm.GENERAL=0" -> ("dion3_titan.kernels.cute_symm", "GENERAL", 0): a module of
+    dion3_titan (by its dotted name, or its last part under kernels/ or optim/), an attribute it
+    has, a Python literal. One clear line for anything else."""
+    target, sep, value = text.partition("=")
+    module_name, _, attr = target.strip().rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--settings: {text!r} is not MODULE.ATTRIBUTE=VALUE (e.g. cute_symm.GENERAL=0)")
+    candidates = (
+        [module_name]
+        if module_name.startswith("dion3_titan.")
+        else [f"dion3_titan.kernels.{module_name}", f"dion3_titan.optim.{module_name}"]
+    )
+    for candidate in candidates:
+        try:
+            module = importlib.import_module(candidate)
+        except ModuleNotFoundError:
+            continue
+        if not hasattr(module, attr):
+            raise ValueError(f"--settings: {candidate} has no attribute {attr!r} (in {text!r})")
+        try:
+            return candidate, attr, ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--settings: the value in {text!r} is not a Python literal") from None
+    raise ValueError(f"--settings: no module {module_name!r} under dion3_titan, dion3_titan.kernels or .optim")
+
+
+def with_settings(configs: list[BenchConfig], spec: str) -> list[BenchConfig]:
+    """``configs`` and, for each variant of ``spec`` (comma-separated; a variant is one or more
+    MODULE.ATTRIBUTE=VALUE joined by "+"), a copy of each of our Dion3 rows that runs under it,
+    named "<row>[<variant>]" and placed after its row, so the two run in one process."""
+    variants = [v.strip() for v in spec.split(",") if v.strip()]
+    parsed = {v: tuple(parse_setting(part) for part in v.split("+")) for v in variants}
+    out = []
+    for cfg in configs:
+        out.append(cfg)
+        if cfg.kind == "dion3":
+            out += [dataclasses.replace(cfg, name=f"{cfg.name}[{v}]", settings=parsed[v]) for v in variants]
+    return out
+
+
+def base_name(name: str) -> str:
+    """A row's name without its ``--settings`` variant."""
+    return name.split("[", 1)[0]
+
+
+@contextlib.contextmanager
+def applied(settings: tuple[tuple[str, str, object], ...]) -> Iterator[None]:
+    """The module attributes of ``settings`` set, then restored."""
+    saved = []
+    try:
+        for module_name, attr, value in settings:
+            module = importlib.import_module(module_name)
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
 
 
 # microsoft/dion (the paper authors' code), timed beside ours when ``import dion`` works.
@@ -150,7 +218,7 @@ ANCHOR_PAIRS = {"dion3_f1_gram": "dion_f1", "dion3_f1/2": "dion_f1/2", "dion3_f1
 
 def anchor_of(name: str, flavor: str) -> str | None:
     # the anchor makes no finiteness pass and runs on one stream either way
-    name = name.removesuffix("+1stream").removesuffix("+norm")
+    name = base_name(name).removesuffix("+1stream").removesuffix("+norm")
     base, graph = name.removesuffix("+graph"), name.endswith("+graph")
     pair = ANCHOR_PAIRS.get(base)
     if pair is None and base == "muon":
@@ -174,7 +242,8 @@ def estimate_s(cfg: BenchConfig, walls: dict[str, float]) -> float:
     """Seconds a configuration should take, from a measured twin (0 when none ran yet): a
     graph row costs what its eager row did (+10% for its longer warm-up); the extra baselines
     what the rows they extend did."""
+    name = base_name(cfg.name)
     twin = {"muon_torch": "muon", "dion3_f1_torch_nomb": "dion3_f1_torch"}.get(
-        cfg.name, cfg.name.removesuffix("+norm").removesuffix("+graph")
+        name, name.removesuffix("+norm").removesuffix("+graph")
     )
     return 1.1 * walls.get(twin, 0.0) if twin != cfg.name else 0.0

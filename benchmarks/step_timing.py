@@ -104,6 +104,7 @@ def config_row(cfg: BenchConfig) -> dict:
         "graph": cfg.graph,
         "given_norm": cfg.given_norm,
         "options": dict(cfg.options),
+        "settings": [f"{module}.{attr}={value!r}" for module, attr, value in cfg.settings],
     }
 
 

@@ -187,3 +187,71 @@ def test_model_1b_train_is_bench_trains_model() -> None:
     assert name == "1b_train" and not notes
     assert shape == ModelShape(hidden=2048, layers=16, heads=16, kv_heads=8, mlp_hidden=8192, vocab=8192)
     assert 1.0e9 < count_params(shape) < 1.1e9
+
+
+def test_settings_rows_run_under_their_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--settings: each of our Dion3 rows runs again right after itself with the module
+    attributes set (seen from inside the run), which are restored afterwards; the variant row
+    keeps its row's anchor pairing and lists its settings."""
+    import torch
+
+    from dion3_titan.kernels import cute_symm, dispatch
+
+    seen: list[tuple[str, int, int]] = []
+    real = bench.run_config
+
+    def spy(cfg, *args, **kwargs):
+        seen.append((cfg.name, cute_symm.GENERAL, dispatch.CUTE_MIN_N))
+        return real(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_config", spy)
+    general, cute_min = cute_symm.GENERAL, dispatch.CUTE_MIN_N
+    out = tmp_path / "settings.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.main(
+            [
+                *COMMON,
+                "--only",
+                "adamw,dion3_f1/4",
+                "--settings",
+                "cute_symm.GENERAL=7+dispatch.CUTE_MIN_N=3,cute_symm.GENERAL=5",
+                "--out",
+                str(out),
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    variant = "dion3_f1/4[cute_symm.GENERAL=7+dispatch.CUTE_MIN_N=3]"
+    assert seen == [
+        ("adamw", general, cute_min),
+        ("dion3_f1/4", general, cute_min),
+        (variant, 7, 3),
+        ("dion3_f1/4[cute_symm.GENERAL=5]", 5, cute_min),
+    ]
+    assert (cute_symm.GENERAL, dispatch.CUTE_MIN_N) == (general, cute_min)
+    _, rows = _rows(out)
+    assert rows[variant]["status"] == "ok" and rows[variant]["gpu_ms"] > 0
+    assert rows[variant]["settings"] == [
+        "dion3_titan.kernels.cute_symm.GENERAL=7",
+        "dion3_titan.kernels.dispatch.CUTE_MIN_N=3",
+    ]
+    assert rows["dion3_f1/4"]["settings"] == []
+    from benchmarks.step_configs import anchor_of
+
+    assert anchor_of(variant, "normuon") == anchor_of("dion3_f1/4", "normuon") == "dion_f1/4"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("cute_symm.GENERALX=0", "has no attribute 'GENERALX'"),
+        ("no_such_module.X=1", "no module 'no_such_module'"),
+        ("cute_symm.GENERAL", "is not MODULE.ATTRIBUTE=VALUE"),
+        ("cute_symm.GENERAL=on", "is not a Python literal"),
+    ],
+)
+def test_bad_settings_stop_before_any_step(spec: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        bench.main([*COMMON, "--only", "adamw", "--settings", spec])
