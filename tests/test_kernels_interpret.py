@@ -519,3 +519,83 @@ def test_scratch_allocator_leaves_a_programs_own() -> None:
         assert _allocation._allocator.get() is own
     finally:
         triton.set_allocator(saved)
+
+
+def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) -> None:
+    """sym_gemm and gemm on CPU tensors with the compiled kernel, the SM count and the triangle
+    table stood in (no GPU here): which kernel form each asks for (pair, mirror, general), the
+    tile table and CTA count it launches with, the (n, k, L) views of a, b^T, C and the result
+    it passes, and None outside the kernel's limits."""
+    from dion3_titan.kernels import cute_symm
+
+    launches: list[tuple] = []
+
+    def compiled(*key):
+        return lambda *args: launches.append((key, args))
+
+    monkeypatch.setattr(cute_symm, "_compiled", compiled)
+    monkeypatch.setattr(cute_symm, "grid_sms", lambda device: 132)
+    monkeypatch.setattr(
+        cute_symm, "_tile_table", lambda side, group, device: torch.zeros(2, side * (side + 1) // 2, dtype=torch.int32)
+    )
+
+    def view(t: torch.Tensor) -> tuple:  # what _as_nkl hands the kernel: (n, k, L) over t's memory
+        return t.data_ptr(), tuple(t.permute(1, 2, 0).shape), tuple(t.permute(1, 2, 0).stride())
+
+    def launched(args: tuple) -> tuple:  # the kernel's arguments, its (n, k, L) views described
+        return tuple(
+            (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if isinstance(t, torch.Tensor) and t.dtype != torch.int32
+            else t
+            for t in args
+        )
+
+    x = torch.randn(2, 2048, 256, dtype=torch.float16)
+    y = x.clone()
+    c = torch.randn(2, 2048, 2048, dtype=torch.float16)
+    for b, mirror in ((x.mT, False), (y.mT, True)):  # the same operand needs no mirror
+        launches.clear()
+        out = cute_symm.sym_gemm(x, b, c, 0.5, -1.5)
+        ((key, args),) = launches
+        assert key[:5] == ("Float16", "k", "k", True, cute_symm.PAIR_STAGES)
+        assert key[5:7] == (True, mirror) and not any(key[7:])
+        a_v, bt_v, c_v, out_v, table, ctas, alpha, beta = launched(args)
+        assert (a_v, bt_v, c_v, out_v) == (view(x), view(b.mT), view(c), view(out))
+        assert table.shape == (2, 36) and ctas == 2 * min(66, 2 * 36) and (alpha, beta) == (0.5, -1.5)
+    launches.clear()
+    small = torch.randn(3, 1024, 64, dtype=torch.bfloat16)
+    out = cute_symm.sym_gemm(small, small.mT)  # 128 x 128 tiles below PAIR_MIN_N, no C
+    ((key, args),) = launches
+    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False)
+    assert launched(args)[2] == view(out) and launched(args)[5] == min(132, 3 * 36)
+
+    a = torch.randn(2, 2048, 512, dtype=torch.float16)
+    for b, m in ((torch.randn(2, 512, 4096, dtype=torch.float16), 4096), (torch.randn(2, 640, 512).half().mT, 640)):
+        cc = torch.randn(2, 2048, m, dtype=torch.float16).mT.contiguous().mT  # column-major C: made row-major
+        launches.clear()
+        out = cute_symm.gemm(a, b, cc, 1.0, 1.875)
+        ((key, args),) = launches
+        pair = m % 256 == 0
+        b_major = "n" if b.stride(2) == 1 else "k"  # of b^T
+        assert key == (
+            "Float16",
+            "k",
+            b_major,
+            True,
+            cute_symm.PAIR_STAGES if pair else cute_symm.STAGES,
+            pair,
+            False,
+            True,
+        )
+        a_v, bt_v, c_v, out_v, table, ctas, alpha, beta = launched(args)
+        assert (a_v, bt_v, out_v) == (view(a), view(b.mT), view(out)) and out.shape == (2, 2048, m)
+        assert c_v[1:] == view(cc.contiguous())[1:]
+        cm = 2 if pair else 1
+        assert torch.equal(table, cute_symm._rect_table(2048 // (128 * cm), m // (128 * cm), cute_symm.GROUP, a.device))
+        assert ctas == cm * min(132 // cm, 2 * table.shape[1]) and (alpha, beta) == (1.0, 1.875)
+    launches.clear()
+    assert cute_symm.gemm(a.float(), torch.randn(2, 512, 256)) is None  # fp32
+    assert cute_symm.gemm(a, torch.randn(2, 512, 200, dtype=torch.float16)) is None  # m off the tile grid
+    assert cute_symm.sym_gemm(torch.randn(2, 2048, 12, dtype=torch.float16), torch.randn(2, 12, 2048).half()) is None
+    assert cute_symm.gemm(a[:0], torch.randn(0, 512, 256, dtype=torch.float16)) is None  # empty batch
+    assert not launches

@@ -690,6 +690,53 @@ def _same_operand(a: torch.Tensor, bt: torch.Tensor, b: torch.Tensor) -> bool:
     return same_view(a, bt) or (a.shape[-1] == a.shape[-2] and same_view(a, b))
 
 
+def _majors(a: torch.Tensor, b: torch.Tensor, sides: tuple[int, ...]) -> tuple[str, str] | None:
+    """The memory order of a (L, n, k) and of b^T (b is (L, k, m)) when the kernel takes the
+    pair (fp16/bf16 alike, each of ``sides`` a multiple of TILE, k a multiple of 8, a unit stride
+    TMA can use, nothing empty); None otherwise (the caller falls back)."""
+    L, _, k = a.shape
+    majors = _major(a), _major(b.mT)
+    if (
+        a.dtype not in _DTYPES
+        or b.dtype != a.dtype
+        or any(side % TILE != 0 for side in sides)
+        or k % 8 != 0
+        or None in majors
+        or L == 0
+        or k == 0
+    ):
+        return None
+    return majors
+
+
+def _launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    out: torch.Tensor | None,
+    majors: tuple[str, str],
+    form: tuple[bool, bool, bool],
+    table: torch.Tensor,
+) -> torch.Tensor:
+    """alpha * a @ b (+ beta * c) into ``out`` (a new (L, n, m) tensor if None) by the kernel of
+    ``form`` (pair, mirror, general) over the tiles of ``table``."""
+    L, n = a.shape[:2]
+    has_c = c is not None and beta != 0.0
+    if has_c and (c.stride(2) != 1 or c.dtype != a.dtype):
+        c = c.contiguous().to(a.dtype)
+    if out is None:
+        out = torch.empty((L, n, b.shape[2]), dtype=a.dtype, device=a.device)
+    # read here, not bound as defaults: scripts/bench_sym_ab.py --cute-variants switches them
+    pair = form[0]
+    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, PAIR_STAGES if pair else STAGES, *form)
+    cm = 2 if pair else 1
+    ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
+    fn(_as_nkl(a), _as_nkl(b.mT), _as_nkl(c if has_c else out), _as_nkl(out), table, ctas, float(alpha), float(beta))
+    return out
+
+
 def sym_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -701,43 +748,14 @@ def sym_gemm(
     """alpha * a @ b (+ beta * c) for a symmetric result; None when the shape or strides are
     outside the kernel's limits (the caller falls back). ``out``: a contiguous (L, n, n) result
     buffer (tests pass a NaN-filled one)."""
-    L, n, k = a.shape
-    bt = b.mT  # (L, n, k): the rows of b^T
-    a_major, b_major = _major(a), _major(bt)
-    if (
-        a.dtype not in _DTYPES
-        or b.dtype != a.dtype
-        or n % TILE != 0
-        or k % 8 != 0
-        or a_major is None
-        or b_major is None
-        or L == 0
-        or k == 0
-    ):
+    n = a.shape[1]
+    majors = _majors(a, b, (n,))
+    if majors is None:
         return None
-    has_c = c is not None and beta != 0.0
-    if has_c and (c.stride(2) != 1 or c.dtype != a.dtype):
-        c = c.contiguous().to(a.dtype)
-    if out is None:
-        out = torch.empty((L, n, n), dtype=a.dtype, device=a.device)
-    # read here, not bound as defaults: scripts/bench_sym_ab.py --cute-variants switches them
     pair = pairs(n)
-    mirror = not _same_operand(a, bt, b)
-    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, PAIR_STAGES if pair else STAGES, pair, mirror)
-    cm = 2 if pair else 1
-    table = _tile_table(n // (TILE * cm), GROUP, a.device)
-    ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
-    fn(
-        _as_nkl(a),
-        _as_nkl(bt),
-        _as_nkl(c if has_c else out),
-        _as_nkl(out),
-        table,
-        ctas,
-        float(alpha),
-        float(beta),
-    )
-    return out
+    form = (pair, not _same_operand(a, b.mT, b), False)
+    table = _tile_table(n // (TILE * (2 if pair else 1)), GROUP, a.device)
+    return _launch(a, b, c, alpha, beta, out, majors, form, table)
 
 
 def gemm(
@@ -751,43 +769,14 @@ def gemm(
     """alpha * a @ b (+ beta * c), a (L, n, k), b (L, k, m), c (L, n, m): the symmetric kernel
     in its general mode (every tile; X <- a X + B X of standard Newton-Schulz). None outside its
     limits (n and m multiples of 128, of 256 for the pair form; as ``sym_gemm`` otherwise)."""
-    L, n, k = a.shape
-    m = b.shape[2]
-    bt = b.mT  # (L, m, k)
-    a_major, b_major = _major(a), _major(bt)
-    if (
-        a.dtype not in _DTYPES
-        or b.dtype != a.dtype
-        or n % TILE != 0
-        or m % TILE != 0
-        or k % 8 != 0
-        or a_major is None
-        or b_major is None
-        or L == 0
-        or k == 0
-    ):
+    n, m = a.shape[1], b.shape[2]
+    majors = _majors(a, b, (n, m))
+    if majors is None:
         return None
-    has_c = c is not None and beta != 0.0
-    if has_c and (c.stride(2) != 1 or c.dtype != a.dtype):
-        c = c.contiguous().to(a.dtype)
-    if out is None:
-        out = torch.empty((L, n, m), dtype=a.dtype, device=a.device)
     pair = pairs(n) and m % (2 * TILE) == 0
     cm = 2 if pair else 1
-    fn = _compiled(_DTYPES[a.dtype], a_major, b_major, has_c, PAIR_STAGES if pair else STAGES, pair, False, True)
     table = _rect_table(n // (TILE * cm), m // (TILE * cm), GROUP, a.device)
-    ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
-    fn(
-        _as_nkl(a),
-        _as_nkl(bt),
-        _as_nkl(c if has_c else out),
-        _as_nkl(out),
-        table,
-        ctas,
-        float(alpha),
-        float(beta),
-    )
-    return out
+    return _launch(a, b, c, alpha, beta, out, majors, (pair, False, True), table)
 
 
 class CuteOps(TritonOps):
