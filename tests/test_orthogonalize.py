@@ -318,6 +318,27 @@ def test_normalize_batch_equals_concatenate_then_normalize(transposed, dtype):
     assert torch.allclose(norms, torch.ones(6, dtype=torch.float64), atol=1e-3)
 
 
+@pytest.mark.parametrize("side", [10, 16], ids=["exact", "padded"])
+def test_tall_gram_result_is_laid_out_as_the_callers_rows(side, seed):
+    """A tall batch's Gram NS result comes back as X^T Q (= (Q X)^T, Q symmetric) computed
+    directly: row-major in the caller's (B, m, n) orientation, so the finiteness check and the
+    update read it row by row instead of down columns; the values are the polynomial's, as for
+    the wide product (float64), with or without the backend's padded Gram side."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 50, 10, generator=g, dtype=torch.float64)
+    settings = NSSettings("gram", PE, (2,), torch.float64)
+    ops = TorchOps() if side == 10 else _PaddingOps()
+    out = orthogonalize(x, settings, ops)
+    assert out.shape == x.shape and out.stride(-1) == 1, f"seed {seed}: strides {out.stride()}"
+    assert _rel(out, ns_polynomial_via_svd(x, PE)) < 1e-10, f"seed {seed}"
+    wide = orthogonalize(x.mT.contiguous(), settings, ops)
+    assert _rel(out, wide.mT) < 1e-12, f"seed {seed}"
+    xn = x.mT / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    direct = gram_newton_schulz(xn, PE, (2,), TorchOps(), column_major=True)
+    assert direct.shape == xn.shape and direct.mT.is_contiguous()
+    assert _rel(direct, gram_newton_schulz(xn, PE, (2,), TorchOps())) < 1e-12, f"seed {seed}"
+
+
 # ------------------------------------------------------------------------------ Gram-side padding
 class _PaddingOps(TorchOps):
     """The torch backend asking for Gram sides rounded up to a multiple of 16."""

@@ -350,7 +350,7 @@ class Dion3(torch.optim.Optimizer):
             ortho = ortho[:, : sg.k]
         # a non-finite NS result is never applied (optim/nonfinite.py)
         in_kernel = stages.voids_in_kernel(moves)
-        row_sq = stages.result_row_sums(g, ortho, moves)  # where normalize reads them anyway
+        row_sq = stages.result_row_sums(g, ortho, moves)  # read by the check and normalize
         ortho, bad = self.nonfinite.orthogonalized(ortho, void_in_kernel=in_kernel, row_sq=row_sq)
         void = bad if in_kernel else None
         norm = stages.normalize(g, ortho, owned_v, void, moves, row_sq)  # 6. normalize (the flavor's)

@@ -22,7 +22,6 @@ class Flavor:
 
     name = "muon"
     row_data = False  # per-row data travels with the rows (one extra column in the exchange)
-    row_sums = False  # the epilogue reads the NS result's rows' sums of squares
 
     def create_state(self, state: dict, member) -> None:
         """Add this flavor's state tensors for ``member`` to the parameter's ``state``."""
@@ -47,7 +46,7 @@ class Flavor:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Row engine: (row denominators, matrix scales, new per-row data) that the update
         kernel applies to the NS result itself, from its rows' sums of squares ``row_sq`` (N, K)
-        (given when ``row_sums``); (None, None, data) when there is nothing to apply."""
+        (the row engine computes them for every flavor); (None, None, data) when there is nothing to apply."""
         return None, None, data
 
 
@@ -57,7 +56,6 @@ class NorMuon(Flavor):
 
     name = "normuon"
     row_data = True
-    row_sums = True
 
     def create_state(self, state: dict, member) -> None:
         if member.variance_key in state:

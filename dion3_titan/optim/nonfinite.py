@@ -59,8 +59,9 @@ def nonfinite_matrices(out: torch.Tensor, row_sq: torch.Tensor | None = None) ->
     counts, and a result that large is no orthogonalization either."""
     if row_sq is not None:
         return ~row_sq.sum(-1).isfinite()
-    # max |x| per matrix in one reduction; NaN propagates through the max
-    return ~torch.linalg.vector_norm(out.flatten(1), ord=float("inf"), dim=1).isfinite()
+    # max |x| per matrix in one reduction; NaN propagates through the max. Over both dims, not
+    # a flattened view: a transposed result would be copied first.
+    return ~torch.linalg.vector_norm(out, ord=float("inf"), dim=(-2, -1)).isfinite()
 
 
 def norm_ok(norm: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,11 @@ def normalize_batch(views: list[torch.Tensor], eps: float, dtype: torch.dtype) -
 
 
 def gram_newton_schulz(
-    x: torch.Tensor, coefficients: Coefficients, restarts: tuple[int, ...], backend: Backend
+    x: torch.Tensor,
+    coefficients: Coefficients,
+    restarts: tuple[int, ...],
+    backend: Backend,
+    column_major: bool = False,
 ) -> torch.Tensor:
     """Alg. 3 on a wide, normalized x (B, n, m), n <= m.
 
@@ -56,6 +60,8 @@ def gram_newton_schulz(
     R <- Z (R Z + a R) + a (R Z + a R). The a_t I term is never added inside a product (App.
     B.2.3): it stays in the fp32 epilogue as "+ a * (previous matrix)". At each restart
     iteration X <- Q X and R, Q are rebuilt, which clears spurious negative eigenvalues.
+    ``column_major``: the result is the transpose view of X^T Q (= (Q X)^T, Q symmetric), the
+    memory order of a tall caller's rows, so the passes after NS read it row by row.
     """
     ops = backend
     xt = x.mT
@@ -81,7 +87,7 @@ def gram_newton_schulz(
             q = ops.sym_addmm(q, z, q, alpha=1.0, beta=a)
     if q is None:
         return x
-    return ops.mm(q, x)
+    return ops.mm(x.mT, q).mT if column_major else ops.mm(q, x)
 
 
 def standard_newton_schulz(x: torch.Tensor, coefficients: Coefficients, backend: Backend) -> torch.Tensor:
@@ -123,7 +129,7 @@ def orthogonalize(
     else:
         xn = x
     if algorithm == "gram":
-        out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend)
+        out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend, column_major=tall)
     else:
         out = standard_newton_schulz(xn, settings.coefficients, backend)
     out = out[:, :n]

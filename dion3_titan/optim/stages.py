@@ -144,8 +144,9 @@ class Stages:
         return False
 
     def result_row_sums(self, g: GroupStep, ortho: torch.Tensor, moves: bool) -> torch.Tensor | None:
-        """The NS result's rows' sums of squares (N, K) float32 where ``normalize`` reads them
-        (one pass; the result's finiteness check then reads them too), else None."""
+        """The NS result's rows' sums of squares (N, K) float32 where an implementation computes
+        them in one pass (the result's finiteness check reads them, and ``normalize`` where the
+        flavor needs them), else None."""
         return None
 
     def normalize(

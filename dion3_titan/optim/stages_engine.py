@@ -79,7 +79,9 @@ class RowEngineStages(Stages):
         return not moves
 
     def result_row_sums(self, g: GroupStep, ortho: torch.Tensor, moves: bool) -> torch.Tensor | None:
-        return engine.row_sumsq(ortho) if not moves and g.flavor.row_sums else None
+        # every flavor: the finiteness check reads them too, and this one Triton pass runs near
+        # the memory rate where torch's per-matrix max reduction did not (docs/benchmarks.md)
+        return engine.row_sumsq(ortho) if not moves else None
 
     def normalize(
         self,
