@@ -268,7 +268,7 @@ def test_checked_never_returns_nonfinite_for_inf_input(seed):
 def test_row_sums_flag_the_same_matrices_as_the_max_pass(dtype, seed):
     """The result check taken from the rows' float32 sums of squares (which NorMuon's epilogue
     computes anyway) flags exactly the matrices the max-|x| pass flags: NaN, +-inf, and none
-    of the finite ones, fp16's largest value included."""
+    of the finite ones, fp16's largest value included; the max pass alike on a transposed view."""
     from dion3_titan.optim.nonfinite import nonfinite_matrices
 
     g = torch.Generator().manual_seed(seed)
@@ -281,6 +281,8 @@ def test_row_sums_flag_the_same_matrices_as_the_max_pass(dtype, seed):
     want = [False, True, True, True, False, False]
     assert nonfinite_matrices(x).tolist() == want, f"seed {seed}"
     assert nonfinite_matrices(x, row_sq).tolist() == want, f"seed {seed}"
+    # a tall batch's result as NS hands it back (a transposed view): the same flags
+    assert nonfinite_matrices(x.mT.contiguous().mT).tolist() == want, f"seed {seed}"
 
 
 def test_polar_express_schedule_and_safety_factor():
