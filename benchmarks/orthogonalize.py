@@ -30,6 +30,7 @@ import time
 import torch
 import triton
 
+from benchmarks.machine import card_state
 from benchmarks.output import fmt, output_path, write_json
 from benchmarks.timing import do_bench_ms as bench
 from benchmarks.timing import graph_ms, matmul_tflops
@@ -128,11 +129,13 @@ def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anch
         if anchor is not None and "gram_newton_schulz" in row:
             fns["anchor"] = lambda x=x: anchor(x)
         times: dict[str, list[float]] = {name: [] for name in fns}
+        cards: dict[str, list[dict | None]] = {name: [] for name in fns}
         for r in range(rounds):
             for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
                 times[name].append(bench(fns[name]))
+                cards[name].append(card_state(torch.cuda.current_device()))  # right after its timing
         medians = {name: statistics.median(ts) for name, ts in times.items()}
-        row["interleaved"] = {"rounds": rounds, "median": medians, "all": times}
+        row["interleaved"] = {"rounds": rounds, "median": medians, "all": times, "card_after": cards}
         chosen = row.get("auto_backend")
         if "anchor" in medians:
             for name in medians:
@@ -143,6 +146,8 @@ def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anch
             row["interleaved"]["fraction_of_dense"] = row["floor_ms"] / medians[chosen]
         spread = {name: f"{min(ts):.2f}-{max(ts):.2f}" for name, ts in times.items()}
         print("interleaved", row["shape"], json.dumps(medians), "range", json.dumps(spread), flush=True)
+        clocks = {name: [c["sm_mhz"] if c else None for c in states] for name, states in cards.items()}
+        print("  SM MHz after each timing", json.dumps(clocks), flush=True)
         del x
         torch.cuda.empty_cache()
 
