@@ -46,7 +46,8 @@ class Flavor:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Row engine: (row denominators, matrix scales, new per-row data) that the update
         kernel applies to the NS result itself, from its rows' sums of squares ``row_sq`` (N, K)
-        (the row engine computes them for every flavor); (None, None, data) when there is nothing to apply."""
+        (the row engine computes them for every flavor); (None, None, data) when there is
+        nothing to apply."""
         return None, None, data
 
 
