@@ -237,8 +237,14 @@ def _general_cases(a, b, c, alpha: float, beta: float, want, shape: str, cute_va
             found.append(("quack_gemm_add", lambda: gemm_add(a, b, C=c, alpha=alpha, beta=beta, tuned=False)))
     except ImportError as exc:
         print(f"quack unavailable: {exc}")
+    return _checked(found, want, shape)
+
+
+def _checked(cases: list, want, shape: str) -> list:
+    """The (label, fn) of ``cases`` that run and fit, each result's difference to cuBLAS's
+    ``want`` printed (and why the others were left out)."""
     kept = []
-    for label, fn in found:
+    for label, fn in cases:
         try:
             got = fn()
         except Exception as exc:  # e.g. a variant that does not fit shared memory
@@ -269,18 +275,10 @@ def gemm_rows(shapes: list[str], reps: int, cute_variants: list[str]) -> list[di
         else:
             cases = [("cublas_bmm", lambda: torch.bmm(a, b))]
         want = cases[0][1]()
-        for cfg in GEMM_CONFIGS:
-            try:
-                got = triton_mm.mm_tma(a, b, c, alpha, beta, config=cfg)
-            except Exception as exc:  # e.g. more shared memory than the SM has
-                print(f"{shape} mm_tma{cfg}: {type(exc).__name__}: {str(exc)[:160]}")
-                continue
-            if got is None:
-                print(f"{shape} mm_tma{cfg}: does not fit")
-                continue
-            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            print(f"{shape} mm_tma{cfg}: rel. difference to cuBLAS {err:.2e}")
-            cases.append((f"mm_tma{cfg}", lambda cfg=cfg: triton_mm.mm_tma(a, b, c, alpha, beta, config=cfg)))
+        tma = [
+            (f"mm_tma{cfg}", lambda cfg=cfg: triton_mm.mm_tma(a, b, c, alpha, beta, config=cfg)) for cfg in GEMM_CONFIGS
+        ]
+        cases += _checked(tma, want, shape)
         cases += _general_cases(a, b, c, alpha, beta, want, shape, cute_variants)
         for (label, _), runs in zip(cases, _interleaved([fn for _, fn in cases], reps)):
             ms = statistics.median(runs)
