@@ -61,21 +61,25 @@ def _checks(seed: int) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         for B, R, C in [(1, 37, 300), (3, 5, 1100), (2, 64, 48)]:
             for layout, m in _views(dtype, B, R, C).items():
-                for with_g in (True, False):
+                # mu: the error feedback of a selection of every row, in the same pass
+                for with_g, mu in ((True, None), (False, None), (True, 0.95)):
                     g = torch.randn(B, R, C).to(dtype) if with_g else None
                     ref = m.clone()
                     if g is not None:
                         torch._foreach_add_([ref], [g])
+                    summed = ref.clone()  # what the scores describe
+                    if mu is not None:
+                        ref.mul_(mu)  # the reference's error feedback, a second rounding
                     l1 = torch.full((B, R), float("nan"))
                     sq = torch.full((B, R), float("nan"))
-                    rk.accumulate_scores(m, g, l1, sq)
+                    rk.accumulate_scores(m, g, l1, sq, mu=mu)
                     out.append(
                         {
                             "check": "accumulate",
-                            "case": f"{dtype},{B}x{R}x{C},{layout},g={with_g}",
+                            "case": f"{dtype},{B}x{R}x{C},{layout},g={with_g},mu={mu}",
                             "bitwise": bool(torch.equal(m, ref)),
-                            "l1_err": rel(l1, l1_scores(ref)),
-                            "sq_err": rel(sq, ref.double().square().sum(-1)),
+                            "l1_err": rel(l1, l1_scores(summed)),
+                            "sq_err": rel(sq, summed.double().square().sum(-1)),
                         }
                     )
 
@@ -480,9 +484,12 @@ def _launch_checks() -> list[dict]:
 
 
 def _step_checks() -> list[dict]:
-    """Whole Dion3 steps with the engine on against the same steps with it off (same NS): muon/normuon, f = 1/4 and 1, a 3D stack, column selection, a parameter without
-    a gradient; and one case without weight decay (the engine then leaves unselected rows
-    unread)."""
+    """Whole Dion3 steps with the engine on against the same steps with it off (same NS):
+    muon/normuon, f = 1/4 and 1, a 3D stack, column selection, a parameter without a gradient;
+    one case without weight decay (the engine then leaves unselected rows unread) and one
+    without momentum. The momentum must come out bit for bit the reference's, and the pack
+    must leave the error feedback to the accumulate exactly where every row is selected and
+    mu > 0."""
     import itertools
 
     import torch
@@ -491,9 +498,10 @@ def _step_checks() -> list[dict]:
     from dion3_titan.optim import engine
 
     out = []
-    cases = [(*c, 0.1) for c in itertools.product(("muon", "normuon"), (0.25, 1.0), ("rows", "cols"))]
-    for flavor, fraction, selection_dim, weight_decay in cases + [("normuon", 0.25, "rows", 0.0)]:
-        finals, used = [], []
+    cases = [(*c, 0.1, 0.95) for c in itertools.product(("muon", "normuon"), (0.25, 1.0), ("rows", "cols"))]
+    cases += [("normuon", 0.25, "rows", 0.0, 0.95), ("muon", 1.0, "rows", 0.1, 0.0)]
+    for flavor, fraction, selection_dim, weight_decay, momentum in cases:
+        finals, used, pack_mus = [], [], set()
         for fused in (True, False):
             torch.manual_seed(5)
             params = [
@@ -509,32 +517,40 @@ def _step_checks() -> list[dict]:
                 fraction=fraction,
                 flavor=flavor,
                 weight_decay=weight_decay,
+                momentum=momentum,
                 backend="torch",
                 selection_dim=selection_dim,
             )
-            runs_on, update = engine.runs_on, engine.update
+            runs_on, update, pack = engine.runs_on, engine.update, engine.pack
             engine.runs_on = lambda backend, p, on=fused: on
             calls = []
             engine.update = lambda *a, **kw: (calls.append(1), update(*a, **kw))
+            engine.pack = lambda *a, **kw: (pack_mus.add(kw["mu"]), pack(*a, **kw))[1]
             try:
                 for step in range(3):
                     for j, p in enumerate(params):
                         p.grad = None if (j == 2 and step == 1) else torch.randn_like(p)
                     opt.step()
             finally:
-                engine.runs_on, engine.update = runs_on, update
+                engine.runs_on, engine.update, engine.pack = runs_on, update, pack
             used.append(bool(calls) == fused)
             # what the steps changed (the weights themselves would hide a wrong update)
             finals.append(
                 [p.detach() - p0 for p, p0 in zip(params, start)] + [opt.state[p]["momentum"].clone() for p in params]
             )
-        err = max(((a - b).norm() / b.norm()).item() for a, b in zip(*finals))
+        moms = len(params)  # the momenta, compared bit for bit (with mu = 0 they are zero)
+        err = max(((a - b).norm() / b.norm()).item() for a, b in zip(finals[0][:-moms], finals[1][:-moms]))
         out.append(
             {
                 "check": "step",
-                "case": f"{flavor},f={fraction},{selection_dim},wd={weight_decay}",
+                "case": f"{flavor},f={fraction},{selection_dim},wd={weight_decay},mu={momentum}",
                 "err": err,
                 "engine_used": all(used),
+                "momentum_bitwise": all(torch.equal(a, b) for a, b in zip(finals[0][-moms:], finals[1][-moms:])),
+                # the mu each pack applied (None: the accumulate had applied it)
+                "pack_mu": sorted(pack_mus, key=str),
+                "feedback_in_accumulate": fraction == 1.0 and momentum > 0,
+                "momentum": momentum,
             }
         )
     return out
@@ -838,9 +854,17 @@ def test_normuon_factors_match_normuon_normalize(results) -> None:
 
 
 def test_step_with_engine_matches_reference_path(results) -> None:
-    # the engine differs only in summation order of norms (fp16 NS input rounding)
-    bad = [r for r in _of(results, "step") if not (r["err"] < 1e-2 and r["engine_used"])]
+    # the engine differs only in summation order of norms (fp16 NS input rounding); the
+    # momentum not at all
+    bad = [r for r in _of(results, "step") if not (r["err"] < 1e-2 and r["engine_used"] and r["momentum_bitwise"])]
     assert not bad, bad
+
+
+def test_error_feedback_of_every_row_runs_in_the_accumulate(results) -> None:
+    # at f = 1 (mu > 0) no pack writes the momentum back; otherwise each applies mu itself
+    for r in _of(results, "step"):
+        expected = [None] if r["feedback_in_accumulate"] else [r["momentum"]]
+        assert r["pack_mu"] == expected, r
 
 
 def test_grouped_launches_match_the_torch_path_bitwise(results) -> None:

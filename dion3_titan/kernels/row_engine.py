@@ -7,7 +7,8 @@ stacks) is one operand, described per matrix in a small device table (``Operand`
 covers all members and the launch count of a step does not grow with the number of layers.
 
 * ``accumulate_scores``: M += G, and each row's l1 norm (selection) and sum of squares (so the
-  Frobenius norm of the selected rows needs no second read of M), in one pass.
+  Frobenius norm of the selected rows needs no second read of M), in one pass; where every row
+  is selected (f = 1) also the error feedback M *= mu, so no later pass writes M.
 * ``gather_rows``: the selected rows of M straight into the zero-padded Newton-Schulz batch or
   send buffer, divided by a per-matrix denominator (the normalization) and cast once, and
   M[sel] *= mu (error feedback) while those rows are in registers; also NorMuon's per-row
@@ -322,6 +323,7 @@ def _accumulate_scores_kernel(
     l1_ptr,
     sq_ptr,
     ok_ptr,
+    mu,
     num_rows,
     num_cols,
     s_ob,
@@ -332,6 +334,7 @@ def _accumulate_scores_kernel(
     G_ALIGN: tl.constexpr,
     HAS_G: tl.constexpr,
     HAS_OK: tl.constexpr,
+    DECAY_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -361,7 +364,10 @@ def _accumulate_scores_kernel(
             g_ptrs = g_ptr + g_off + rows64[:, None] * g_sr + cols64 * g_sc
             g = tl.load(g_ptrs, mask=mask & add, other=0.0)
             new = round_to(m.to(tl.float32) + g.to(tl.float32), m_ptr.dtype.element_ty, INTERPRET)
-            tl.store(m_ptrs, new, mask=mask & add)
+            if DECAY_M:  # the error feedback of every row, rounded after the sum as the reference does
+                tl.store(m_ptrs, round_to(new.to(tl.float32) * mu, m_ptr.dtype.element_ty, INTERPRET), mask=mask & add)
+            else:
+                tl.store(m_ptrs, new, mask=mask & add)
             m = tl.where(add, new, m)
         x = m.to(tl.float32)  # the stored value: what the reference scores
         l1 += tl.abs(x)
@@ -386,13 +392,16 @@ def accumulate_scores_group(
     ok: torch.Tensor | None = None,
     cache: TableCache = TABLES,
     grads: MovableOperand | None = None,
+    mu: float | None = None,
 ) -> None:
     """Each m (B_i, R, C) += its g (same shape; None: only score), in place, rounded once to
     m's dtype; l1 (N, R) and sq (N, R) float32 (N = sum B_i, the views in order) receive each
     row's l1 norm and sum of squares of the new m. ``ok`` (0-dim device tensor): where zero,
     m is left as it is (and scored so). ``grads``: the gradients' operand, built by the caller
     from ``gradient_views(ms, gs)`` (so that a captured launch can be pointed at moved
-    gradients). One launch, no host sync."""
+    gradients). ``mu``: every m that takes its g is then stored times ``mu``, rounded again
+    (the error feedback of a selection of every row; the scores stay those of the sum). One
+    launch, no host sync."""
     gs = [None] * len(ms) if gs is None else list(gs)
     for m, g in zip(ms, gs):
         if g is not None and g.shape != m.shape:
@@ -422,6 +431,7 @@ def accumulate_scores_group(
         l1,
         sq,
         _flag(ok) if ok is not None else l1,
+        float(mu) if mu is not None else 1.0,
         R,
         C,
         *l1.stride(),
@@ -431,6 +441,7 @@ def accumulate_scores_group(
         G_ALIGN=go.align,
         HAS_G=has_g,
         HAS_OK=ok is not None,
+        DECAY_M=mu is not None and has_g,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         INTERPRET=interpreting(),
@@ -440,10 +451,15 @@ def accumulate_scores_group(
 
 
 def accumulate_scores(
-    m: torch.Tensor, g: torch.Tensor | None, l1: torch.Tensor, sq: torch.Tensor, ok: torch.Tensor | None = None
+    m: torch.Tensor,
+    g: torch.Tensor | None,
+    l1: torch.Tensor,
+    sq: torch.Tensor,
+    ok: torch.Tensor | None = None,
+    mu: float | None = None,
 ) -> None:
     """``accumulate_scores_group`` of one (B, R, C) view: l1 and sq are (B, R)."""
-    accumulate_scores_group([m], [g], l1, sq, ok)
+    accumulate_scores_group([m], [g], l1, sq, ok, mu=mu)
 
 
 @triton.jit

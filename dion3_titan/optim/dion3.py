@@ -26,7 +26,7 @@ from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.observe import Observer
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
-from dion3_titan.optim.selection import RowSelector, is_tall
+from dion3_titan.optim.selection import RowSelector, every_row, is_tall
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.stages import Aside, Factors, GroupStep, Outcome, RowStats, Stages
 from dion3_titan.optim.stages_engine import RowEngineStages
@@ -310,7 +310,7 @@ class Dion3(torch.optim.Optimizer):
         factors = {gi: self._step_factors(gi) for gi in dict.fromkeys(sg.group_index for sg in groups)}
 
         def pipeline(lane: list[ShapeGroup], account: Callable[[Outcome], None], aside: Aside | None = None) -> None:
-            stats = self._accumulate(lane, moving)
+            stats = self._accumulate(lane, moving, factors)
             for sg in lane:
                 account(self._step_group(sg, stats.get(id(sg)), factors[sg.group_index], aside))
 
@@ -416,14 +416,28 @@ class Dion3(torch.optim.Optimizer):
     def _momentum(self, param: torch.Tensor) -> torch.Tensor:
         return to_local(self.state[param]["momentum"])
 
-    def _accumulate(self, groups: list[ShapeGroup], moving: MovingGradients | None = None) -> dict[int, RowStats]:
+    def _accumulate(
+        self,
+        groups: list[ShapeGroup],
+        moving: MovingGradients | None = None,
+        factors: dict[int, Factors] | None = None,
+    ) -> dict[int, RowStats]:
         """1. M <- M + G, once per parameter (a split parameter has several members). Groups
-        the row engine serves also get their rows' statistics from the same pass, by id(group)."""
+        the row engine serves also get their rows' statistics from the same pass, by id(group).
+        With ``factors`` (by param group), a group that selects every row may take its error
+        feedback in the same pass (mu > 0: the pack divides the rows it reads by mu's share
+        of their norm)."""
+        feedback = {}
+        for sg in groups if factors is not None else ():
+            f = factors[sg.group_index]
+            if f.momentum > 0 and every_row(sg, self._configs[sg.group_index]):
+                feedback[id(sg)] = f.momentum
         stats: dict[int, RowStats] = {}
         for stages in (self._row_engine, self._reference):
             mine = [sg for sg in groups if self._stages(sg) is stages]
             if mine:
-                stats.update(stages.accumulate(mine, self._momentum, self.nonfinite, self.kernel_tables, moving))
+                found = stages.accumulate(mine, self._momentum, self.nonfinite, self.kernel_tables, moving, feedback)
+                stats.update(found)
         return stats
 
     def _add_gradients(self, groups: list[ShapeGroup]) -> None:

@@ -37,40 +37,47 @@ def runs_on(backend: str, param: torch.Tensor) -> bool:
 
 
 def accumulate(
-    groups: Sequence[tuple[Sequence[Member], torch.Tensor, torch.Tensor]],
+    groups: Sequence[tuple[Sequence[Member], torch.Tensor, torch.Tensor, float | None]],
     momentum: Callable[[torch.Tensor], torch.Tensor],
     grad_of: Callable[[torch.Tensor], torch.Tensor | None],
     guard: NonfiniteGuard,
     tables: TableCache = TABLES,
     moving: MovingGradients | None = None,
-) -> None:
+) -> list[bool]:
     """M += G once per parameter and every member's row scores, one launch per shape group.
     On a step whose gradients ``guard`` found not finite, M keeps its bits. With ``moving``
     (a captured step), the launches read the gradients through its movable tables.
 
-    ``groups``: (members, l1 (N, R), sq (N, R)) per shape group, written by the launch;
-    ``momentum(param)`` and ``grad_of(param)`` give local tensors (grad None: score only). A
-    parameter whose members' views do not tile it gets its gradient in one add first, then
-    its views are only scored."""
-    views = [[m.view(momentum(m.param)) for m in members] for members, _, _ in groups]
+    ``groups``: (members, l1 (N, R), sq (N, R), mu) per shape group, l1 and sq written by the
+    launch; ``mu`` (or None): the group selects every row, and the same launch applies their
+    error feedback (M *= mu) to each member that takes a gradient. Returns, per group, whether
+    it did so for all of them (else the group's pack must). ``momentum(param)`` and
+    ``grad_of(param)`` give local tensors (grad None: score only). A parameter whose members'
+    views do not tile it gets its gradient in one add first, then its views are only scored."""
+    views = [[m.view(momentum(m.param)) for m in members] for members, *_ in groups]
     covered: dict[int, int] = {}
-    for (members, _, _), vs in zip(groups, views):
+    for (members, *_), vs in zip(groups, views):
         for m, v in zip(members, vs):
             covered[id(m.param)] = covered.get(id(m.param), 0) + v.numel()
     added: set[int] = set()  # parameters whose gradient was added before scoring
-    for members, _, _ in groups:
+    for members, *_ in groups:
         for m in members:
             mom, grad = momentum(m.param), grad_of(m.param)
             if grad is not None and covered[id(m.param)] != mom.numel() and id(m.param) not in added:
                 guard.accumulate([mom], [grad])
                 added.add(id(m.param))
-    for (members, l1, sq), vs in zip(groups, views):
+    decayed = []
+    for (members, l1, sq, mu), vs in zip(groups, views):
+        # a parameter added apart (above) keeps its error feedback for the pack
+        mu = None if any(id(m.param) in added for m in members) else mu
         grads = [None if id(m.param) in added else grad_of(m.param) for m in members]
         grads = [None if g is None else m.view(g) for m, g in zip(members, grads)]
         movable = None
         if moving is not None and any(g is not None for g in grads):
             movable = moving.operand(members, *rk.gradient_views(vs, grads))
-        rk.accumulate_scores_group(vs, grads, l1, sq, ok=guard.ok, cache=tables, grads=movable)
+        rk.accumulate_scores_group(vs, grads, l1, sq, ok=guard.ok, cache=tables, grads=movable, mu=mu)
+        decayed.append(mu is not None)
+    return decayed
 
 
 def pack(
@@ -86,14 +93,17 @@ def pack(
     tables: TableCache = TABLES,
     mu: float | None = None,
     ok: torch.Tensor | None = None,
+    norm_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The group's (N, K, C) batch in ``dtype``, in one launch: each member's selected rows
     (``rows`` (N, n), None: all rows in order), zero-padded; rows with ``valid`` (N, n) False
     and inactive members (no gradient) are zero. With ``sq`` (N, R) row sums of squares each
     matrix is divided by its Frobenius norm + eps (the NS input, ``orthogonalize``'s
-    normalization). ``transposed``: the batch is laid out column-major (for transposed views).
-    ``mu``: the error feedback, the rows packed (valid, of active members) times ``mu`` in
-    place after they are read, unless ``ok`` (0-dim) is zero: ``update`` then gets no momenta."""
+    normalization), times ``norm_scale`` (0-dim) when given: the views hold the momentum
+    that ``sq`` describes times it. ``transposed``: the batch is laid out column-major (for
+    transposed views). ``mu``: the error feedback, the rows packed (valid, of active members)
+    times ``mu`` in place after they are read, unless ``ok`` (0-dim) is zero: ``update`` then
+    gets no momenta."""
     n, kk, c = shape
     device = views[0].device
     out = (
@@ -111,6 +121,8 @@ def pack(
                 picked = picked * valid
             ss = picked.sum(dim=1)
         den = ss.sqrt() + eps
+        if norm_scale is not None:
+            den = den * norm_scale
     rk.gather_rows_group(views, rows, out, keep=valid, denominator=den, active=active, cache=tables, mu=mu, ok=ok)
     return out
 

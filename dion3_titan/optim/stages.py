@@ -12,7 +12,7 @@ differ by where they run, and ``Stages`` is their interface:
   weights touched once per stage.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,9 @@ class RowStats:
 
     l1: torch.Tensor  # l1 norms: the selection scores
     sq: torch.Tensor  # sums of squares: the Frobenius norm of the selected rows without a second read
+    # the pass stored M times mu (a selection of every row: their error feedback), its
+    # statistics still those of M: the pack reads mu * M and applies no feedback of its own
+    decayed: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,11 +125,14 @@ class Stages:
         guard: NonfiniteGuard,
         tables: TableCache,
         moving: MovingGradients | None = None,
+        feedback: Mapping[int, float] | None = None,
     ) -> dict[int, RowStats]:
         """1. M <- M + G (gated by ``guard``), once per parameter of ``groups``; returns the
         row statistics by id(group) where this implementation computes them in the same pass.
         ``moving`` (a captured step): gradients this implementation reads through movable
-        tables are registered there (optim/moving_grads.py); the rest stay where they are."""
+        tables are registered there (optim/moving_grads.py); the rest stay where they are.
+        ``feedback``: mu by id(group) of the groups that select every row this step; an
+        implementation may apply their error feedback here (``RowStats.decayed``)."""
         raise NotImplementedError
 
     def pack(

@@ -4,7 +4,7 @@ touched once per stage. Where nothing moves, the selected rows go straight into 
 Newton-Schulz batch (normalized and cast in the same pass) and the update kernel applies the
 flavor's epilogue and voids non-finite results itself."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -30,23 +30,27 @@ class RowEngineStages(Stages):
         guard: NonfiniteGuard,
         tables: TableCache,
         moving: MovingGradients | None = None,
+        feedback: Mapping[int, float] | None = None,
     ) -> dict[int, RowStats]:
         """M += G and each row's l1 norm and sum of squares, one launch per shape group; the
-        gradients read through ``moving``'s tables when given."""
-        stats = {}
+        gradients read through ``moving``'s tables when given. A group in ``feedback`` gets
+        its error feedback in the same launch: the pack then writes no momentum back (4 bytes
+        per element less at f = 1)."""
+        feedback = feedback or {}
+        sums = {}
         for sg in groups:
             device = to_local(sg.members[0].param).device
             l1 = torch.empty(sg.batch, sg.local_rows, dtype=torch.float32, device=device)
-            stats[id(sg)] = RowStats(l1, torch.empty_like(l1))
-        engine.accumulate(
-            [(sg.members, stats[id(sg)].l1, stats[id(sg)].sq) for sg in groups],
+            sums[id(sg)] = (l1, torch.empty_like(l1))
+        decayed = engine.accumulate(
+            [(sg.members, *sums[id(sg)], feedback.get(id(sg))) for sg in groups],
             momentum,
             lambda p: None if p.grad is None else to_local(p.grad),
             guard,
             tables,
             moving,
         )
-        return stats
+        return {id(sg): RowStats(*sums[id(sg)], done) for sg, done in zip(groups, decayed)}
 
     def pack(
         self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool, factors: Factors
@@ -55,25 +59,43 @@ class RowEngineStages(Stages):
         k), normalized and cast, when nothing moves; else into the zero-padded send buffer (the
         owner normalizes). Either way the same launch applies the error feedback to the rows
         it reads (4 bytes per selected element written here instead of 8 read and written by
-        the update)."""
-        mu, ok = factors.momentum, g.guard.ok
-        sg, cfg, views = g.sg, g.cfg, g.momenta
+        the update), unless the accumulate did (``stats.decayed``): the rows read are then mu
+        times the momentum, and so is their norm."""
+        mu, scale = factors.momentum, None
+        if stats is not None and stats.decayed:
+            mu, scale = None, factors.mu  # exactly 1 on a step the accumulate left alone
+        sg, views = g.sg, g.momenta
         row_data = None
         if g.row_states is not None:  # the flavor's per-row state travels with the rows
             row_data = engine.gather_row_state(g.row_states, sel.rows, sg.k, g.tables)
         rows = None if sel.every_row else sel.rows
         if not moves and sg.cols == sg.local_cols and sg.k == sg.selected:
-            backend = select_backend(cfg.backend, (sg.batch, sg.k, sg.cols), cfg.compute_dtype, views[0].device)
-            side = sg.k if tall else backend.gram_side(sg.k)
-            transposed = sel.every_row and is_transposed_batch(views)
-            shape = (sg.batch, side, sg.cols)
             x = engine.pack(
-                views, rows, sel.valid, g.active, shape, g.ns.dtype, stats.sq, g.ns.eps, transposed, g.tables, mu, ok
+                views,
+                rows,
+                sel.valid,
+                g.active,
+                (sg.batch, sg.k if tall else self._gram_side(g), sg.cols),
+                g.ns.dtype,
+                sq=stats.sq,
+                eps=g.ns.eps,
+                transposed=sel.every_row and is_transposed_batch(views),
+                tables=g.tables,
+                mu=mu,
+                ok=g.guard.ok,
+                norm_scale=scale,
             )
             return Packed(x, row_data, True)
         shape = (sg.batch, sg.k, sg.cols)
-        x = engine.pack(views, rows, sel.valid, g.active, shape, views[0].dtype, tables=g.tables, mu=mu, ok=ok)
+        x = engine.pack(views, rows, sel.valid, g.active, shape, views[0].dtype, tables=g.tables, mu=mu, ok=g.guard.ok)
         return Packed(x, row_data, False)
+
+    @staticmethod
+    def _gram_side(g: GroupStep) -> int:
+        """The rows of a wide NS batch: the side its backend's kernels prefer for k rows."""
+        sg, cfg = g.sg, g.cfg
+        backend = select_backend(cfg.backend, (sg.batch, sg.k, sg.cols), cfg.compute_dtype, g.momenta[0].device)
+        return backend.gram_side(sg.k)
 
     def voids_in_kernel(self, moves: bool) -> bool:
         return not moves

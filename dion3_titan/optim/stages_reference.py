@@ -1,7 +1,7 @@
 """The reference implementation of a step's stages (optim/stages.py): torch ops on each member's
 views. It runs on any device and is what the row engine is tested against."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -35,8 +35,10 @@ class ReferenceStages(Stages):
         guard: NonfiniteGuard,
         tables: TableCache,
         moving: MovingGradients | None = None,
+        feedback: Mapping[int, float] | None = None,
     ) -> dict[int, RowStats]:
-        # torch ops read the gradients where they are: nothing registered in ``moving``
+        # torch ops read the gradients where they are: nothing registered in ``moving``; the
+        # error feedback stays with pack and update
         pairs = gradients_once(groups)
         guard.accumulate([momentum(m.param) for m, _ in pairs], [grad for _, grad in pairs])
         return {}

@@ -23,6 +23,7 @@ def results() -> list[dict]:
 
 from tests.test_row_engine_interpret import (  # noqa: E402  (the same assertions)
     test_accumulate_adds_bitwise_and_scores_rows,
+    test_error_feedback_of_every_row_runs_in_the_accumulate,
     test_gather_matches_take_rows_pad_divide_cast_bitwise,
     test_grouped_launches_match_the_torch_path_bitwise,
     test_normuon_factors_match_normuon_normalize,
@@ -34,6 +35,7 @@ from tests.test_row_engine_interpret import (  # noqa: E402  (the same assertion
 
 __all__ = [
     "test_accumulate_adds_bitwise_and_scores_rows",
+    "test_error_feedback_of_every_row_runs_in_the_accumulate",
     "test_gather_matches_take_rows_pad_divide_cast_bitwise",
     "test_grouped_launches_match_the_torch_path_bitwise",
     "test_normuon_factors_match_normuon_normalize",
