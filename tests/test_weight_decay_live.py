@@ -1,7 +1,8 @@
 """Weight decay changed between steps takes effect on the next step, in both groups, and the
 host-side rules of a captured step (optim/cuda_graph.py) handle it: the matrices' weight decay
 is a device value refreshed before each replay, the AdamW group's is baked into the graph and
-changing it re-captures. (The replay itself: tests/gpu/test_cuda_graph.py.)"""
+changing it re-captures (as does changing the matrices' momentum). (The replay itself:
+tests/gpu/test_cuda_graph.py.)"""
 
 import copy
 import math
@@ -89,4 +90,11 @@ def test_graph_signature_and_live_values():
     off = graphed.signature()
     assert off != signature
     opt.param_groups[0]["weight_decay"] = 0.5
+    assert graphed.signature() == signature
+
+    # the matrices' momentum is a constant of the kernels that decay it: changing it (a
+    # momentum schedule) re-captures, so the next step uses the new value
+    opt.param_groups[0]["momentum"] = 0.85
+    assert graphed.signature() != signature
+    opt.param_groups[0]["momentum"] = 0.95
     assert graphed.signature() == signature

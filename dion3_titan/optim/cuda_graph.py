@@ -100,16 +100,19 @@ class GraphedOptimizer:
         """What a captured step bakes in: the state tensors (``state_version``; Dion3 refuses
         new param groups after construction), where its non-finite flag comes from (a given
         gradient norm or its own pass), the AdamW groups' constants, which torch's AdamW
-        reads as Python floats, and whether each matrix group decays its weights at all
-        (without weight decay the update leaves the rows that are not selected unread).
-        (Matrix groups read lr and the size of their weight decay live.)"""
+        reads as Python floats, each matrix group's momentum (a constant of the kernels that
+        decay the momentum: a schedule that changes it re-captures, so it takes effect) and
+        whether it decays its weights at all (without weight decay the update leaves the rows
+        that are not selected unread). (Matrix groups read lr and the size of their weight
+        decay live.)"""
         opt = self.optimizer
         adamw = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
+        matrices = [g for g in opt.param_groups if g["algorithm"] != "adamw"]
         return (
             opt.state_version,
             opt.nonfinite.norm_given,
             *((g["weight_decay"], g["eps"], *g["betas"]) for g in adamw),
-            *(g["weight_decay"] != 0 for g in opt.param_groups if g["algorithm"] != "adamw"),
+            *((g["momentum"], g["weight_decay"] != 0) for g in matrices),
         )
 
     def step(self, closure=None):
