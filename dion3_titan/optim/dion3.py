@@ -310,9 +310,10 @@ class Dion3(torch.optim.Optimizer):
         factors = {gi: self._step_factors(gi) for gi in dict.fromkeys(sg.group_index for sg in groups)}
 
         def pipeline(lane: list[ShapeGroup], account: Callable[[Outcome], None], aside: Aside | None = None) -> None:
-            stats = self._accumulate(lane, moving, factors)
-            for sg in lane:
-                account(self._step_group(sg, stats.get(id(sg)), factors[sg.group_index], aside))
+            steps = [self._group_step(sg) for sg in lane]
+            stats = self._accumulate(steps, moving, factors)
+            for g in steps:
+                account(self._step_group(g, stats.get(id(g.sg)), factors[g.sg.group_index], aside))
 
         device = self._device()
         key = (tuple(id(sg) for sg in groups), self._state_version)  # settings change with the state
@@ -328,12 +329,13 @@ class Dion3(torch.optim.Optimizer):
         return sg.batch * ns_flops(sg.k, sg.cols, cfg.ns_algorithm, cfg.ns_steps, cfg.ns_restarts, symmetric=True)
 
     def _step_group(
-        self, sg: ShapeGroup, stats: RowStats | None, factors: Factors, aside: Aside | None = None
+        self, g: GroupStep, stats: RowStats | None, factors: Factors, aside: Aside | None = None
     ) -> Outcome:
         """Stages 2-8 of one shape group; returns what the step's counters take from it.
         ``aside``: takes work that needs nothing past the selection, to run beside the rest
         (optim/overlap.py): here the weight decay of the rows not selected."""
-        g, stages, moves, replicas = self._group_step(sg), self._stages(sg), sg.moves_data, sg.replicas
+        sg = g.sg
+        stages, moves, replicas = self._stages(sg), sg.moves_data, sg.replicas
         agree = replicas.agree if replicas is not None and replicas.mean else None  # compressed sync
         sel = self.selector.select(sg, g.cfg, g.momenta, None if stats is None else stats.l1, agree)  # 2. select
         rest_decayed = aside is not None and stages.splits_decay(sel, factors)
@@ -417,10 +419,7 @@ class Dion3(torch.optim.Optimizer):
         return to_local(self.state[param]["momentum"])
 
     def _accumulate(
-        self,
-        groups: list[ShapeGroup],
-        moving: MovingGradients | None = None,
-        factors: dict[int, Factors] | None = None,
+        self, steps: list[GroupStep], moving: MovingGradients | None = None, factors: dict[int, Factors] | None = None
     ) -> dict[int, RowStats]:
         """1. M <- M + G, once per parameter (a split parameter has several members). Groups
         the row engine serves also get their rows' statistics from the same pass, by id(group).
@@ -428,21 +427,20 @@ class Dion3(torch.optim.Optimizer):
         feedback in the same pass (mu > 0: the pack divides the rows it reads by mu's share
         of their norm)."""
         feedback = {}
-        for sg in groups if factors is not None else ():
-            f = factors[sg.group_index]
-            if f.momentum > 0 and every_row(sg, self._configs[sg.group_index]):
-                feedback[id(sg)] = f.momentum
+        for g in steps if factors is not None else ():
+            f = factors[g.sg.group_index]
+            if f.momentum > 0 and every_row(g.sg, g.cfg):
+                feedback[id(g.sg)] = f.momentum
         stats: dict[int, RowStats] = {}
         for stages in (self._row_engine, self._reference):
-            mine = [sg for sg in groups if self._stages(sg) is stages]
+            mine = [g for g in steps if self._stages(g.sg) is stages]
             if mine:
-                found = stages.accumulate(mine, self._momentum, self.nonfinite, self.kernel_tables, moving, feedback)
-                stats.update(found)
+                stats.update(stages.accumulate(mine, self._momentum, moving, feedback))
         return stats
 
     def _add_gradients(self, groups: list[ShapeGroup]) -> None:
         """M <- M + G for every parameter of ``groups``, with torch ops (no row statistics)."""
-        self._reference.accumulate(groups, self._momentum, self.nonfinite, self.kernel_tables)
+        self._reference.accumulate([self._group_step(sg) for sg in groups], self._momentum)
 
     def _step_factors(self, gi: int) -> Factors:
         """lr, the weight-decay factor 1 - lr' wd and the momentum decay mu of matrix group

@@ -14,7 +14,7 @@ the first step, reused by every later one and by a captured CUDA graph).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -36,11 +36,27 @@ def runs_on(backend: str, param: torch.Tensor) -> bool:
     return backend != "torch" and (local.is_cuda or interpreting()) and local.dtype in _DTYPES
 
 
+def untiled_params(
+    groups: Sequence[tuple[Sequence[Member], Sequence[torch.Tensor]]], momentum: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """By id, the parameters of ``groups`` ((members, their momentum views) per shape group)
+    whose members' views do not cover the whole of ``momentum(param)``: ``accumulate`` adds
+    their gradients apart. What the plan makes, so a caller may keep it."""
+    covered: dict[int, int] = {}
+    params: dict[int, torch.Tensor] = {}
+    for members, views in groups:
+        for m, v in zip(members, views):
+            covered[id(m.param)] = covered.get(id(m.param), 0) + v.numel()
+            params[id(m.param)] = m.param
+    return {pid: p for pid, p in params.items() if covered[pid] != momentum(p).numel()}
+
+
 def accumulate(
-    groups: Sequence[tuple[Sequence[Member], torch.Tensor, torch.Tensor, float | None]],
-    momentum: Callable[[torch.Tensor], torch.Tensor],
+    groups: Sequence[tuple[Sequence[Member], Sequence[torch.Tensor], torch.Tensor, torch.Tensor, float | None]],
     grad_of: Callable[[torch.Tensor], torch.Tensor | None],
     guard: NonfiniteGuard,
+    untiled: Mapping[int, torch.Tensor],
+    momentum: Callable[[torch.Tensor], torch.Tensor],
     tables: TableCache = TABLES,
     moving: MovingGradients | None = None,
 ) -> list[bool]:
@@ -48,29 +64,22 @@ def accumulate(
     On a step whose gradients ``guard`` found not finite, M keeps its bits. With ``moving``
     (a captured step), the launches read the gradients through its movable tables.
 
-    ``groups``: (members, l1 (N, R), sq (N, R), mu) per shape group, l1 and sq written by the
-    launch; ``mu`` (or None): the group selects every row, and the same launch applies their
-    error feedback (M *= mu) to each member that takes a gradient. Returns, per group, whether
-    it did so for all of them (else the group's pack must). ``momentum(param)`` and
-    ``grad_of(param)`` give local tensors (grad None: score only). A parameter whose members'
-    views do not tile it gets its gradient in one add first, then its views are only scored."""
-    views = [[m.view(momentum(m.param)) for m in members] for members, *_ in groups]
-    covered: dict[int, int] = {}
-    for (members, *_), vs in zip(groups, views):
-        for m, v in zip(members, vs):
-            covered[id(m.param)] = covered.get(id(m.param), 0) + v.numel()
-    added: set[int] = set()  # parameters whose gradient was added before scoring
-    for members, *_ in groups:
-        for m in members:
-            mom, grad = momentum(m.param), grad_of(m.param)
-            if grad is not None and covered[id(m.param)] != mom.numel() and id(m.param) not in added:
-                guard.accumulate([mom], [grad])
-                added.add(id(m.param))
+    ``groups``: (members, their momentum views, l1 (N, R), sq (N, R), mu) per shape group,
+    l1 and sq written by the launch; ``mu`` (or None): the group selects every row, and the
+    same launch applies their error feedback (M *= mu) to each member that takes a gradient.
+    Returns, per group, whether it did so for all of them (else the group's pack must).
+    ``grad_of(param)`` gives a local tensor (None: score only). The parameters ``untiled``
+    (``untiled_params``) get their gradient in one add to ``momentum(param)`` first, then their
+    views are only scored."""
+    for p in untiled.values():
+        grad = grad_of(p)
+        if grad is not None:
+            guard.accumulate([momentum(p)], [grad])
     decayed = []
-    for (members, l1, sq, mu), vs in zip(groups, views):
+    for members, vs, l1, sq, mu in groups:
         # a parameter added apart (above) keeps its error feedback for the pack
-        mu = None if any(id(m.param) in added for m in members) else mu
-        grads = [None if id(m.param) in added else grad_of(m.param) for m in members]
+        mu = None if any(id(m.param) in untiled for m in members) else mu
+        grads = [None if id(m.param) in untiled else grad_of(m.param) for m in members]
         grads = [None if g is None else m.view(g) for m, g in zip(members, grads)]
         movable = None
         if moving is not None and any(g is not None for g in grads):

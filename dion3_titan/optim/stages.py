@@ -120,15 +120,14 @@ class Stages:
 
     def accumulate(
         self,
-        groups: Sequence[ShapeGroup],
+        steps: Sequence[GroupStep],
         momentum: Callable[[torch.Tensor], torch.Tensor],
-        guard: NonfiniteGuard,
-        tables: TableCache,
         moving: MovingGradients | None = None,
         feedback: Mapping[int, float] | None = None,
     ) -> dict[int, RowStats]:
-        """1. M <- M + G (gated by ``guard``), once per parameter of ``groups``; returns the
-        row statistics by id(group) where this implementation computes them in the same pass.
+        """1. M <- M + G (gated by the groups' guard), once per parameter of the groups
+        ``steps``; ``momentum(param)``: its whole local momentum. Returns the row statistics by
+        id(shape group) where this implementation computes them in the same pass.
         ``moving`` (a captured step): gradients this implementation reads through movable
         tables are registered there (optim/moving_grads.py); the rest stay where they are.
         ``feedback``: mu by id(group) of the groups that select every row this step; an

@@ -9,12 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from dion3_titan.dist.layout import to_local
-from dion3_titan.dist.plan import ShapeGroup
 from dion3_titan.kernels import Backend, select_backend
-from dion3_titan.kernels.row_engine import TableCache
 from dion3_titan.optim import engine
 from dion3_titan.optim.moving_grads import MovingGradients
-from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import is_transposed_batch
 from dion3_titan.optim.selection import Selection
 from dion3_titan.optim.stages import Factors, GroupStep, Normalized, Packed, RowStats, Stages
@@ -23,12 +20,13 @@ from dion3_titan.optim.stages import Factors, GroupStep, Normalized, Packed, Row
 class RowEngineStages(Stages):
     name = "row_engine"
 
+    def __init__(self) -> None:
+        self._untiled: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}  # by the groups' ids
+
     def accumulate(
         self,
-        groups: Sequence[ShapeGroup],
+        steps: Sequence[GroupStep],
         momentum: Callable[[torch.Tensor], torch.Tensor],
-        guard: NonfiniteGuard,
-        tables: TableCache,
         moving: MovingGradients | None = None,
         feedback: Mapping[int, float] | None = None,
     ) -> dict[int, RowStats]:
@@ -36,21 +34,26 @@ class RowEngineStages(Stages):
         gradients read through ``moving``'s tables when given. A group in ``feedback`` gets
         its error feedback in the same launch: the pack then writes no momentum back (4 bytes
         per element less at f = 1)."""
+        if not steps:
+            return {}
         feedback = feedback or {}
         sums = {}
-        for sg in groups:
-            device = to_local(sg.members[0].param).device
-            l1 = torch.empty(sg.batch, sg.local_rows, dtype=torch.float32, device=device)
-            sums[id(sg)] = (l1, torch.empty_like(l1))
+        for g in steps:
+            l1 = torch.empty(g.sg.batch, g.sg.local_rows, dtype=torch.float32, device=g.momenta[0].device)
+            sums[id(g.sg)] = (l1, torch.empty_like(l1))
+        key = tuple(id(g.sg) for g in steps)  # the plan's groups live as long as the optimizer
+        if key not in self._untiled:
+            self._untiled[key] = engine.untiled_params([(g.members, g.momenta) for g in steps], momentum)
         decayed = engine.accumulate(
-            [(sg.members, *sums[id(sg)], feedback.get(id(sg))) for sg in groups],
-            momentum,
+            [(g.members, g.momenta, *sums[id(g.sg)], feedback.get(id(g.sg))) for g in steps],
             lambda p: None if p.grad is None else to_local(p.grad),
-            guard,
-            tables,
+            steps[0].guard,
+            self._untiled[key],
+            momentum,
+            steps[0].tables,
             moving,
         )
-        return {id(sg): RowStats(*sums[id(sg)], done) for sg, done in zip(groups, decayed)}
+        return {id(g.sg): RowStats(*sums[id(g.sg)], done) for g, done in zip(steps, decayed)}
 
     def pack(
         self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool, factors: Factors

@@ -5,11 +5,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from dion3_titan.dist.plan import ShapeGroup
 from dion3_titan.kernels import Backend
-from dion3_titan.kernels.row_engine import TableCache
 from dion3_titan.optim.moving_grads import MovingGradients
-from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import is_transposed_batch, normalize_batch
 from dion3_titan.optim.selection import Selection
 from dion3_titan.optim.stages import Factors, GroupStep, Normalized, Packed, RowStats, Stages, gradients_once
@@ -30,17 +27,16 @@ class ReferenceStages(Stages):
 
     def accumulate(
         self,
-        groups: Sequence[ShapeGroup],
+        steps: Sequence[GroupStep],
         momentum: Callable[[torch.Tensor], torch.Tensor],
-        guard: NonfiniteGuard,
-        tables: TableCache,
         moving: MovingGradients | None = None,
         feedback: Mapping[int, float] | None = None,
     ) -> dict[int, RowStats]:
         # torch ops read the gradients where they are: nothing registered in ``moving``; the
         # error feedback stays with pack and update
-        pairs = gradients_once(groups)
-        guard.accumulate([momentum(m.param) for m, _ in pairs], [grad for _, grad in pairs])
+        if steps:
+            pairs = gradients_once([g.sg for g in steps])
+            steps[0].guard.accumulate([momentum(m.param) for m, _ in pairs], [grad for _, grad in pairs])
         return {}
 
     def pack(
