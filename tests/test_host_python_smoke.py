@@ -1,0 +1,26 @@
+"""Smoke test of scripts/profile_host_python.py (benchmarks/host_python.py): the CPU measure of
+an eager step's host Python runs, with the row engine serving every shape group (its stages
+are the ones timed), and reports a time per step and per stage."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("flavor,fraction", [("normuon", "0.25"), ("muon", "1")])
+def test_profile_host_python_times_the_row_engine_stages(flavor, fraction):
+    cmd = [sys.executable, "scripts/profile_host_python.py", "--layers", "2", "--shrink", "64"]
+    cmd += ["--flavor", flavor, "--fraction", fraction, "--steps", "2", "--rounds", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.search(r"4 shape groups: host ms per step .* median \d+\.\d+", out), out
+    for stage in ("Dion3._accumulate", "RowEngineStages.pack", "RowEngineStages.update"):
+        assert re.search(rf"{re.escape(stage)}\s+\d+\.\d+ ms\s+\d", out), (stage, out)
