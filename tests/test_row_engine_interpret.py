@@ -904,6 +904,31 @@ def test_table_cache_builds_each_table_once() -> None:
     assert cache.builds == 4
 
 
+def test_kept_views_make_their_operand_key_once() -> None:
+    """Views the optimizer keeps between steps (``KeptViews``) give the operand a list of the
+    same views gives, per presence pattern, and keep its key (and their (B, R, 1) column form)
+    with them; views not kept get both afresh."""
+    import torch
+
+    from dion3_titan.kernels.row_engine import KeptViews, TableCache, column_views, operand
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4, 6, 10, generator=g)
+    views = [base[:2, ::2], base[2:, 1::2], torch.randn(1, 3, 10, generator=g)]
+    kept = KeptViews(views)
+    for present in ([True, True, True], [False, True, True], None):
+        cache = TableCache()
+        listed, held = operand(views, present, cache), operand(kept, present, cache)
+        assert held.table is listed.table and cache.builds == 1, present  # one key, one table
+        assert (held.layout, held.align, held.base) == (listed.layout, listed.align, listed.base)
+    assert len(kept.keys) == 2  # one key per presence pattern (None: all present), kept
+    states = KeptViews(torch.randn(2, 5, generator=g) for _ in range(2))
+    assert column_views(states) is column_views(states)
+    assert [tuple(v.shape) for v in column_views(states)] == [(2, 5, 1), (2, 5, 1)]
+    assert all(v.data_ptr() == s.data_ptr() for v, s in zip(column_views(states), states))
+    assert column_views(list(states)) is not column_views(list(states))
+
+
 def test_captured_accumulate_reads_moved_gradients(results) -> None:
     bad = [r for r in _of(results, "moved_grads") if not r["bitwise"]]
     assert not bad, bad

@@ -132,6 +132,29 @@ def device_table(values: list, dtype: torch.dtype, device: torch.device) -> torc
 TABLES = TableCache()  # for callers that keep no cache of their own (single tensors, benchmarks)
 
 
+class KeptViews(tuple):
+    """Views a caller keeps, unchanged, from step to step (the optimizer's member views of its
+    state and weights, remade only when those tensors are replaced): an operand of them makes
+    its table key once per presence pattern and keeps it here, where it dies with the views
+    (per-matrix Python is most of an eager step's host time)."""
+
+    def __new__(cls, views):
+        kept = super().__new__(cls, views)
+        kept.keys = {}  # presence pattern -> the operand's table key
+        kept.columns = None  # of (B, R) views: their (B, R, 1) form, kept too (``column_views``)
+        return kept
+
+
+def column_views(views: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """(B, R) views as the (B, R, 1) operand views the kernels take (per-row state), kept with
+    ``views`` when they are kept."""
+    if not isinstance(views, KeptViews):
+        return [v.unsqueeze(-1) for v in views]
+    if views.columns is None:
+        views.columns = KeptViews(v.unsqueeze(-1) for v in views)
+    return views.columns
+
+
 @dataclass(frozen=True)
 class Operand:
     """A launch's views, one kernel argument: ``base`` (the first present view; its pointer)
@@ -164,14 +187,19 @@ def operand(
     ``present[i]`` False: view i only stands in for its matrices (never read nor written)."""
     here = [True] * len(views) if present is None else [bool(p) for p in present]
     base = next((v for v, p in zip(views, here) if p), views[0])
-    origin = base.data_ptr()
-    # what the table depends on (addresses relative to the base: none for a single tensor) and
-    # what the checks in build() read, so a key seen before needs no checking again; one pass,
-    # since this runs for every operand of every launch
-    key = ("view", base.dtype, base.device, base.stride()) + tuple(
-        (v.data_ptr() - origin, v.shape, v.stride(), v.dtype, v.device) if p else (v.shape,)
-        for v, p in zip(views, here)
-    )
+    kept = views.keys if isinstance(views, KeptViews) else None
+    key = kept.get(tuple(here)) if kept is not None else None
+    if key is None:
+        origin = base.data_ptr()
+        # what the table depends on (addresses relative to the base: none for a single tensor)
+        # and what the checks in build() read, so a key seen before needs no checking again;
+        # one pass, since this runs for every operand of every launch not kept
+        key = ("view", base.dtype, base.device, base.stride()) + tuple(
+            (v.data_ptr() - origin, v.shape, v.stride(), v.dtype, v.device) if p else (v.shape,)
+            for v, p in zip(views, here)
+        )
+        if kept is not None:
+            kept[tuple(here)] = key
 
     def build() -> tuple[torch.Tensor, int, int]:
         rows, layout, align = _table_rows(views, here, base)
@@ -882,7 +910,7 @@ def update_rows_group(
         return
     wo = operand(weights, active, cache)
     mo = operand(momenta, active, cache) if momenta is not None else wo
-    vo = operand([v.unsqueeze(-1) for v in row_state.views], active, cache) if row_state is not None else wo
+    vo = operand(column_views(row_state.views), active, cache) if row_state is not None else wo
     v_new = row_state.new if row_state is not None else update
     scales = None
     if lr_scales is not None:

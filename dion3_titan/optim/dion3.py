@@ -19,6 +19,7 @@ from dion3_titan.dist.plan import PlanEntry, PlanSettings, ShapeGroup, build_gro
 from dion3_titan.dist.replicas import average_over_replicas
 from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.kernels.flops import ns_flops
+from dion3_titan.kernels.row_engine import KeptViews
 from dion3_titan.optim import engine, overlap
 from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
@@ -401,10 +402,10 @@ class Dion3(torch.optim.Optimizer):
         views = self._views.get(key)
         if views is None:
             members = sg.members
-            views = (
-                [m.view(self._momentum(m.param)) for m in members],
-                [m.view(to_local(m.param)) for m in members],
-                [flavor.rows_state(self.state[m.param], m) for m in members] if flavor.row_data else None,
+            views = (  # kept: the row engine keys its tables by them once (KeptViews)
+                KeptViews(m.view(self._momentum(m.param)) for m in members),
+                KeptViews(m.view(to_local(m.param)) for m in members),
+                KeptViews(flavor.rows_state(self.state[m.param], m) for m in members) if flavor.row_data else None,
             )
             self._views = {k: v for k, v in self._views.items() if k[1] == self._state_version}
             self._views[key] = views

@@ -142,7 +142,7 @@ def gather_row_state(
     """(N, k) float32: the selected rows ``rows`` (N, n) of the members' per-row state views
     (B_i, R), zero past n, in one launch (the reference's gather and pad)."""
     out = torch.empty(rows.shape[0], k, 1, dtype=torch.float32, device=rows.device)
-    rk.gather_rows_group([v.unsqueeze(-1) for v in views], rows, out, cache=tables)
+    rk.gather_rows_group(rk.column_views(views), rows, out, cache=tables)
     return out.squeeze(-1)
 
 
