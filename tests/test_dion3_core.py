@@ -562,3 +562,49 @@ def test_float64_matrices_at_fraction_below_one() -> None:
     opt.step()
     moved = (w.detach() != before).any(dim=1)
     assert int(moved.sum()) == 3  # ceil(0.25 * 12) rows, the others untouched
+
+
+def test_a_checkpoint_restores_the_live_settings_and_keeps_the_built_ones():
+    """load_state_dict takes lr, weight decay and momentum from the checkpoint (torch's
+    convention) and keeps every other setting the optimizer was built with (its plan is made
+    from them): a checkpoint saved at f = 1/2 loaded into an optimizer built at f = 1/4 steps
+    at f = 1/4 with f = 1/4's lr transfer, named in one warning; the same settings warn of
+    nothing, and the steps after the load match a run that was never saved."""
+    import warnings
+
+    torch.manual_seed(11)
+    w0 = torch.randn(32, 64)
+
+    def build(**kw):
+        p = torch.nn.Parameter(w0.clone())
+        return p, Dion3([{"params": [p]}], backend="torch", weight_decay=0.1, **kw)
+
+    def steps(p, opt, seeds):
+        for s in seeds:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(s))
+            opt.step()
+
+    p, opt = build(lr=0.02, fraction=0.5, momentum=0.9)
+    steps(p, opt, [0, 1])
+    saved, w_saved = copy.deepcopy(opt.state_dict()), p.detach().clone()
+
+    q, other = build(lr=0.05, fraction=0.25, ns_steps=4, momentum=0.8)
+    with pytest.warns(UserWarning, match=r"fraction=0\.5 \(kept 0\.25\).*ns_steps=5 \(kept 4\)"):
+        other.load_state_dict(saved)
+    group = other.param_groups[0]
+    assert (group["lr"], group["momentum"]) == (0.02, 0.9)  # live: the checkpoint's
+    assert (group["fraction"], group["ns_steps"]) == (0.25, 4)  # built: this optimizer's
+    assert other.configs[0].fraction == 0.25 and other.shape_groups[0].k == 8
+    # the loaded optimizer steps as one built with those settings and the saved state
+    with torch.no_grad():
+        q.copy_(w_saved)
+    r, same = build(lr=0.02, fraction=0.25, ns_steps=4, momentum=0.9)
+    with torch.no_grad():
+        r.copy_(w_saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same settings: nothing to name
+        same.load_state_dict(copy.deepcopy(other.state_dict()))
+    steps(q, other, [2, 3])
+    steps(r, same, [2, 3])
+    assert torch.equal(q, r)
+    assert not torch.equal(q, w_saved)

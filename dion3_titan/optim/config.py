@@ -70,6 +70,12 @@ def _check_choice(key: str, value, allowed) -> None:
         raise ValueError(f"{key}={value!r}: allowed values are {tuple(allowed)}")
 
 
+# What a step reads from its param group every time (torch's convention: set them between steps;
+# a checkpoint restores them). Every other key is fixed at construction: the megabatch plan, the
+# Newton-Schulz settings and the kernels' per-matrix scales are built from it.
+LIVE_KEYS: tuple[str, ...] = ("lr", "weight_decay", "momentum")
+
+
 @dataclass
 class Dion3Config:
     """Hyperparameters of the matrix (Dion3) groups. AdamW groups take lr/betas/eps/weight_decay."""

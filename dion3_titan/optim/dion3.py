@@ -8,6 +8,7 @@ Groups with ``algorithm="adamw"`` (embeddings, output head, norms, biases) run t
 inside the same optimizer. docs/optimizer.md, "How a step flows", walks through it.
 """
 
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -21,7 +22,7 @@ from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.kernels.flops import ns_flops
 from dion3_titan.kernels.row_engine import KeptViews
 from dion3_titan.optim import engine, overlap
-from dion3_titan.optim.config import Dion3Config, fraction_transfer, lr_scale
+from dion3_titan.optim.config import LIVE_KEYS, Dion3Config, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
@@ -218,13 +219,34 @@ class Dion3(torch.optim.Optimizer):
         for sid, p in zip(saved_ids, mine):
             saved = state_dict["state"].get(sid, {})
             keep += [(p, key, saved[key]) for key in var_keys.get(id(p), ()) if torch.is_tensor(saved.get(key))]
+        built = [None if cfg is None else cfg.as_dict() for cfg in self._configs]
         super().load_state_dict(state_dict)
         for p, key, value in keep:
             self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
         self._state_version += 1
-        for i, group in enumerate(self.param_groups):
-            if self._configs[i] is not None:
-                self._configs[i] = Dion3Config(**{k: group[k] for k in Dion3Config.keys()})
+        self._keep_fixed_settings(built)
+
+    def _keep_fixed_settings(self, built: list[dict | None]) -> None:
+        """After a load: the groups keep the settings this optimizer was built with (``built``,
+        per group) except LIVE_KEYS, which the checkpoint restores; its plan and kernels are
+        built from the others, so a checkpoint's differing value would apply in part. One
+        warning names each saved value not taken."""
+        ignored = []
+        for i, (group, values) in enumerate(zip(self.param_groups, built)):
+            if values is None:
+                continue
+            for key, value in values.items():
+                if key not in LIVE_KEYS and key in group and _frozen(group[key]) != _frozen(value):
+                    ignored.append(f"group {i} {key}={group[key]!r} (kept {value!r})")
+            group.update({k: v for k, v in values.items() if k not in LIVE_KEYS})
+            self._configs[i] = Dion3Config(**{k: group[k] for k in Dion3Config.keys()})
+        if ignored:
+            warnings.warn(
+                "Dion3.load_state_dict: the checkpoint's " + ", ".join(ignored) + " not taken: only "
+                f"{', '.join(LIVE_KEYS)} come from a checkpoint; the other settings are fixed when the "
+                "optimizer is built (its plan is made from them)",
+                stacklevel=3,  # the caller of load_state_dict
+            )
 
     # ----------------------------------------------------------------- the step
     # Host-side counters a step advances in its param groups (rolled back when it is skipped).
@@ -451,7 +473,8 @@ class Dion3(torch.optim.Optimizer):
         group = self.param_groups[gi]
         lr, wd = self._hyper[gi].unbind()
         lr = self.nonfinite.scale(lr)
-        transfer = fraction_transfer(group["fraction"], group["fraction_lr_transfer"])
+        cfg = self._configs[gi]
+        transfer = fraction_transfer(cfg.fraction, cfg.fraction_lr_transfer)
         mu = self.nonfinite.factor(group["momentum"])
         return Factors(lr, 1.0 - (lr * transfer) * wd, mu, group["momentum"], decays=group["weight_decay"] != 0)
 
@@ -505,3 +528,8 @@ class Dion3(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def _frozen(value):
+    """A setting as compared across a checkpoint (which may hand tuples back as lists)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
