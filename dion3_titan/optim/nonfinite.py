@@ -41,6 +41,7 @@ code and the same host code. A given norm is copied into one device buffer that 
 so a captured step reads each replay's norm; it serves the next step only (``issued`` clears it).
 """
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -58,15 +59,21 @@ def nonfinite_matrices(out: torch.Tensor, row_sq: torch.Tensor | None = None) ->
     below float32's range); for wider ones (bf16, float32) a square's overflow to inf also
     counts, and a result that large is no orthogonalization either."""
     if row_sq is not None:
-        return ~row_sq.sum(-1).isfinite()
+        return ~below_inf(row_sq.sum(-1))
     # max |x| per matrix in one reduction; NaN propagates through the max. Over both dims, not
     # a flattened view: a transposed result would be copied first.
-    return ~torch.linalg.vector_norm(out, ord=float("inf"), dim=(-2, -1)).isfinite()
+    return ~below_inf(torch.linalg.vector_norm(out, ord=float("inf"), dim=(-2, -1)))
+
+
+def below_inf(x: torch.Tensor) -> torch.Tensor:
+    """Where a norm or a sum of squares (>= 0, or NaN) is finite: one comparison, which NaN
+    fails (``isfinite`` is several kernels, each a launch in an eager step)."""
+    return x < math.inf
 
 
 def norm_ok(norm: torch.Tensor) -> torch.Tensor:
     """A step's ``ok`` from its gradients' total norm: 1.0 when the norm is finite, else 0.0."""
-    return norm.isfinite().float()
+    return below_inf(norm).float()
 
 
 def _distributed() -> bool:
@@ -138,7 +145,7 @@ class NonfiniteGuard:
         grads = [g for _, g in named_grads]
         if grads:
             # max |g| per tensor: finite exactly when every entry is (NaN propagates)
-            finite = torch.stack(torch._foreach_norm(grads, ord=float("inf"))).isfinite().float()
+            finite = below_inf(torch.stack(torch._foreach_norm(grads, ord=float("inf")))).float()
             ok = finite.min().reshape(1)
         else:
             finite = torch.zeros(0, device=device)
