@@ -27,7 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (bel
 import torch  # noqa: E402
 
 from benchmarks.host_profile import timed_stages  # noqa: E402
-from benchmarks.llama import MODELS, ModelShape, build_model  # noqa: E402
+from benchmarks.llama import MODELS, GradFiller, ModelShape, build_model  # noqa: E402
 from dion3_titan import Dion3  # noqa: E402
 from dion3_titan.kernels import row_engine  # noqa: E402
 from dion3_titan.optim.routing import build_param_groups  # noqa: E402
@@ -77,10 +77,8 @@ def build(shape: ModelShape, fraction: float, flavor: str) -> tuple:
     model = build_model(shape, torch.device("cpu"), None, 0)
     groups = build_param_groups(model.named_parameters(), adamw_lr=1e-3)
     opt = _ZeroNS(groups, lr=0.02, fraction=fraction, flavor=flavor, backend="triton", weight_decay=0.1)
-    gen = torch.Generator().manual_seed(0)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    grads = GradFiller(model, torch.device("cpu"), 0)  # fixed gradients: their values do not matter here
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.locals]))
 
     def step() -> None:
         opt.use_gradient_norm(norm)
