@@ -11,25 +11,42 @@ stage times (docs/benchmarks.md, "Eager host time"); read this as a comparison b
 versions of the code on one machine, interleaved or back to back.
 
     python scripts/profile_host_python.py --fraction 0.25 --flavor normuon --layers 8
+
+``--part ns`` times Newton-Schulz's host Python instead, which the step above stubs out: each
+of the model's Newton-Schulz batches at its full widths (one matrix per batch: the Python does
+not depend on the batch size), through the backend "auto" picks for it on a Hopper GPU (or the
+one named), with every kernel call stubbed: CuteDSL's compiled kernel, Triton's launches and
+cuBLAS's products (handed back as empty tensors). What remains is our dispatch Python around
+each product and the torch ops between them, on CPU tensors.
+
+    python scripts/profile_host_python.py --part ns --fraction 0.25
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import statistics
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (below, through dion3_titan)
 
 import torch  # noqa: E402
 
 from benchmarks.host_profile import timed_stages  # noqa: E402
-from benchmarks.llama import MODELS, GradFiller, ModelShape, build_model  # noqa: E402
+from benchmarks.llama import MODELS, GradFiller, ModelShape, build_model, layer_matrices  # noqa: E402
 from dion3_titan import Dion3  # noqa: E402
-from dion3_titan.kernels import row_engine  # noqa: E402
+from dion3_titan.dist.plan import rows_to_select  # noqa: E402
+from dion3_titan.kernels import cute_symm, dispatch, row_engine, triton_mm, triton_ops  # noqa: E402
+from dion3_titan.kernels.backend import Backend  # noqa: E402
+from dion3_titan.kernels.torch_ops import TorchOps  # noqa: E402
+from dion3_titan.optim.config import Dion3Config  # noqa: E402
+from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize  # noqa: E402
 from dion3_titan.optim.routing import build_param_groups  # noqa: E402
 
 
@@ -56,6 +73,93 @@ def launches_stubbed() -> Iterator[None]:
         yield
     finally:
         row_engine.launch = real
+
+
+@contextlib.contextmanager
+def products_stubbed() -> Iterator[None]:
+    """Every Newton-Schulz product does nothing inside the block: CuteDSL's compiled kernel (and
+    its compilation), Triton's launches, cuBLAS's products (an empty result of the right shape)."""
+    saved = [
+        (cute_symm, "_compiled", lambda *key: lambda *args: None),
+        (cute_symm, "is_available", lambda: True),
+        (triton_ops, "launch", lambda *args, **kwargs: None),
+        (triton_mm, "launch", lambda *args, **kwargs: None),
+        (TorchOps, "mm", lambda self, a, b: a.new_empty((a.shape[0], a.shape[1], b.shape[2]))),
+    ]
+    saved = [(owner, name, getattr(owner, name), stub) for owner, name, stub in saved]
+    for owner, name, _, stub in saved:
+        setattr(owner, name, stub)
+    try:
+        yield
+    finally:
+        for owner, name, real, _ in saved:
+            setattr(owner, name, real)
+
+
+def _keep_freed_memory() -> None:
+    """glibc hands large blocks back to the system when freed, so every fresh n x n buffer would
+    page-fault where the step writes its diagonal; a GPU's caching allocator reuses its blocks.
+    Keep freed memory in the heap, as that allocator would (this process only)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+def ns_batches(shape: ModelShape, fraction: float, preference: str) -> list[tuple[torch.Tensor, bool, Backend]]:
+    """(x, tall, backend) of each distinct layer matrix shape's Newton-Schulz at ``fraction`` (its
+    selected rows x its columns), x one fp16 matrix packed at the backend's Gram side, as the
+    step hands it over normalized. ``preference`` "auto": the backend "auto" picks on a Hopper
+    GPU with CuteDSL (dispatch.select_backend's rules, which ask the GPU itself)."""
+    out = []
+    for rows, cols in dict.fromkeys(layer_matrices(shape)):
+        k = rows_to_select(fraction, rows)
+        tall, side = k > cols, min(k, cols)
+        if preference != "auto":
+            backend = dispatch.get_backend(preference)
+        elif side < dispatch.TRITON_MIN_N:
+            backend = dispatch.get_backend("torch")
+        else:
+            prefers = dispatch.prefers_cute(dispatch.get_backend("triton").gram_side(side))
+            backend = dispatch.get_backend("cute" if prefers else "triton")
+        padded = backend.gram_side(side)
+        x = torch.empty((1, padded, max(k, cols)), dtype=torch.float16)
+        out.append((x.mT if tall else x, tall, backend))
+    return out
+
+
+def time_ns(shape: ModelShape, fraction: float, preference: str, steps: int, rounds: int) -> None:
+    """Print the host ms of one step's Newton-Schulz (every batch once), products stubbed."""
+    _keep_freed_memory()
+    settings = NSSettings.from_config(Dion3Config())
+    with products_stubbed():
+        batches = ns_batches(shape, fraction, preference)
+
+        def step() -> None:
+            for x, tall, backend in batches:
+                orthogonalize(x, settings, backend, tall, normalized=True)
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times.append((time.perf_counter() - t0) * 1e3 / steps)
+        per_batch = []
+        for x, tall, backend in batches:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                orthogonalize(x, settings, backend, tall, normalized=True)
+            per_batch.append(((time.perf_counter() - t0) * 1e3 / steps, x, tall, backend))
+    print(
+        f"Newton-Schulz of {len(batches)} batches, f={fraction:g}: host ms per step (products stubbed) "
+        f"median {statistics.median(times):.3f} (rounds {', '.join(f'{t:.3f}' for t in times)})"
+    )
+    for ms, x, tall, backend in per_batch:
+        n, m = (x.shape[-1], x.shape[-2]) if tall else x.shape[-2:]
+        print(f"  {n:5d} x {m:5d}{' (tall)' if tall else '':7s} {backend.name:6s} {ms:7.3f} ms")
 
 
 def shrunk(shape: ModelShape, divisor: int, layers: int) -> ModelShape:
@@ -98,7 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--steps", type=int, default=50, help="steps per round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--part", default="step", choices=("step", "ns"), help="the step without NS, or NS alone")
+    p.add_argument("--backend", default="auto", choices=dispatch.PREFERENCES, help="--part ns: the products' backend")
     a = p.parse_args(argv)
+    if a.part == "ns":
+        return time_ns(replace(MODELS[a.model], layers=1), a.fraction, a.backend, a.steps, a.rounds)
     shape = shrunk(MODELS[a.model], a.shrink, a.layers)
     with launches_stubbed():
         step, opt = build(shape, a.fraction, a.flavor)

@@ -7,6 +7,7 @@ tests below assert on those lines. Small shapes and small tiles keep it well und
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -521,11 +522,55 @@ def test_scratch_allocator_leaves_a_programs_own() -> None:
         triton.set_allocator(saved)
 
 
+def test_cute_operand_orders_are_read_from_strides() -> None:
+    """The CuteDSL wrappers read each operand's memory order (a's, and b^T's without making b^T)
+    and whether both sides are one matrix from shapes and strides: the answers of the views
+    themselves, for row- and column-major operands, padded rows and batches, column slices,
+    misaligned strides, size-1 modes and fp32."""
+    from dion3_titan.kernels import cute_symm
+
+    def major(x: torch.Tensor) -> str | None:  # of a (L, rows, k) view
+        size = x.element_size()
+        if x.stride(2) == 1 and x.stride(1) * size % 16 == 0:
+            return "k"
+        if x.stride(1) == 1 and x.stride(2) * size % 16 == 0:
+            return "n"
+        return None
+
+    def same(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+
+    def layouts(L: int, r: int, c: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [
+            torch.zeros(L, r, c, dtype=dtype),  # row-major
+            torch.zeros(L, c, r, dtype=dtype).mT,  # column-major
+            torch.zeros(L + 1, r + 8, c + 8, dtype=dtype)[:L, :r, :c],  # rows and batches padded
+            torch.zeros(L + 1, c + 8, r + 8, dtype=dtype)[:L, :c, :r].mT,
+            torch.zeros(L, r, c + 3, dtype=dtype)[:, :, :c],  # rows 3 elements apart: no 16-byte stride
+            torch.zeros(L, c, r, dtype=dtype).permute(0, 2, 1).contiguous(),
+        ]
+
+    cases = 0
+    for dtype, (L, n, k) in itertools.product((torch.float16, torch.float32), ((2, 16, 24), (1, 8, 8), (3, 1, 16))):
+        for a in layouts(L, n, k, dtype):
+            partners = [*layouts(L, k, n, dtype), a.mT]
+            if n == k:
+                partners.append(a)
+            for b in partners:
+                majors = (major(a), major(b.mT))
+                expect = None if None in majors or dtype == torch.float32 or k % 8 else majors
+                assert cute_symm._majors(a, b, ()) == expect, (dtype, a.stride(), b.stride())
+                one = same(a, b.mT) or (n == k and same(a, b))
+                assert cute_symm._same_operand(a, b) == one, (a.shape, a.stride(), b.shape, b.stride())
+                cases += 1
+    assert cases > 100
+
+
 def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) -> None:
     """sym_gemm and gemm on CPU tensors with the compiled kernel, the SM count and the triangle
     table stood in (no GPU here): which kernel form each asks for (pair, mirror, general), the
-    tile table and CTA count it launches with, the (n, k, L) views of a, b^T, C and the result
-    it passes, and None outside the kernel's limits."""
+    tile table and CTA count it launches with, the tensors a, b, C and the result it passes (as
+    they are: the kernel takes torch's mode order), and None outside the kernel's limits."""
     from dion3_titan.kernels import cute_symm
 
     launches: list[tuple] = []
@@ -539,10 +584,10 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
         cute_symm, "_tile_table", lambda side, group, device: torch.zeros(2, side * (side + 1) // 2, dtype=torch.int32)
     )
 
-    def view(t: torch.Tensor) -> tuple:  # what _as_nkl hands the kernel: (n, k, L) over t's memory
-        return t.data_ptr(), tuple(t.permute(1, 2, 0).shape), tuple(t.permute(1, 2, 0).stride())
+    def view(t: torch.Tensor) -> tuple:  # a tensor as the kernel takes it: torch's (L, rows, cols), no copy
+        return t.data_ptr(), tuple(t.shape), tuple(t.stride())
 
-    def launched(args: tuple) -> tuple:  # the kernel's arguments, its (n, k, L) views described
+    def launched(args: tuple) -> tuple:  # the kernel's arguments, its tensors described
         return tuple(
             (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
             if isinstance(t, torch.Tensor) and t.dtype != torch.int32
@@ -559,8 +604,8 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
         ((key, args),) = launches
         assert key[:5] == ("Float16", "k", "k", True, cute_symm.PAIR_STAGES)
         assert key[5:7] == (True, mirror) and not any(key[7:])
-        a_v, bt_v, c_v, out_v, table, ctas, alpha, beta = launched(args)
-        assert (a_v, bt_v, c_v, out_v) == (view(x), view(b.mT), view(c), view(out))
+        a_v, b_v, c_v, out_v, table, ctas, alpha, beta = launched(args)
+        assert (a_v, b_v, c_v, out_v) == (view(x), view(b), view(c), view(out))
         assert table.shape == (2, 36) and ctas == 2 * min(66, 2 * 36) and (alpha, beta) == (0.5, -1.5)
     launches.clear()
     small = torch.randn(3, 1024, 64, dtype=torch.bfloat16)
@@ -587,8 +632,8 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
             False,
             True,
         )
-        a_v, bt_v, c_v, out_v, table, ctas, alpha, beta = launched(args)
-        assert (a_v, bt_v, out_v) == (view(a), view(b.mT), view(out)) and out.shape == (2, 2048, m)
+        a_v, b_v, c_v, out_v, table, ctas, alpha, beta = launched(args)
+        assert (a_v, b_v, out_v) == (view(a), view(b), view(out)) and out.shape == (2, 2048, m)
         assert c_v[1:] == view(cc.contiguous())[1:]
         cm = 2 if pair else 1
         assert torch.equal(table, cute_symm._rect_table(2048 // (128 * cm), m // (128 * cm), cute_symm.GROUP, a.device))

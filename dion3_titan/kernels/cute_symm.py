@@ -114,6 +114,11 @@ def _kernel_class() -> type:
             atom, cta, cute.make_layout(ctas), cute.group_modes(smem, 0, 2), cute.group_modes(tiles, 0, 2)
         )
 
+    def _modes(t: Any, order: tuple[int, int, int]) -> Any:
+        """The tensor t with its modes in ``order``: a view of the same memory."""
+        shape = tuple(t.shape[i] for i in order)
+        return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=tuple(t.stride[i] for i in order)))
+
     class SymGemmSm90:
         def __init__(
             self, has_c: bool, stages: int = STAGES, pair: bool = False, mirror: bool = True, general: bool = False
@@ -148,16 +153,21 @@ def _kernel_class() -> type:
         @cute.jit
         def __call__(
             self,
-            mA: cute.Tensor,  # (n, k, L)
-            mB: cute.Tensor,  # (n, k, L): B^T of the product, i.e. the second operand's rows
-            mC: cute.Tensor,  # (n, n, L), read only when has_c
-            mD: cute.Tensor,  # (n, n, L) output, row-major
+            mA: cute.Tensor,  # (L, n, k)
+            mB: cute.Tensor,  # (L, k, m): the product's second operand
+            mC: cute.Tensor,  # (L, n, m), read only when has_c
+            mD: cute.Tensor,  # (L, n, m) output, row-major
             tiles: cute.Tensor,  # (2, T(T+1)/2) int32: row/col of each lower cluster tile
             num_ctas: cutlass.Int32,
             alpha: cutlass.Float32,
             beta: cutlass.Float32,
             stream: Any,
         ):
+            # taken in torch's mode order, so the host passes its tensors as they are (a view
+            # made per launch costs host time); CuteDSL's GEMMs work in (rows, k, L): A as
+            # (n, k, L), B as its transpose's rows (m, k, L), C and D as (n, m, L)
+            mA, mB = _modes(mA, (1, 2, 0)), _modes(mB, (2, 1, 0))
+            mC, mD = _modes(mC, (1, 2, 0)), _modes(mD, (1, 2, 0))
             self.ab_dtype = mA.element_type
             self.d_dtype = mD.element_type
             a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -594,17 +604,14 @@ def _kernel_class() -> type:
 _DTYPES = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 
 
-def _as_nkl(x: torch.Tensor) -> torch.Tensor:
-    """(L, n, k) -> (n, k, L) view, the mode order CuteDSL GEMMs use."""
-    return x.permute(1, 2, 0)
-
-
-def _major(x: torch.Tensor) -> str | None:
-    """'k' if the (L, n, k) operand is contiguous along k, 'n' if along n, else None."""
-    L, n, k = x.shape
-    if x.stride(2) == 1 and (x.stride(1) * x.element_size()) % 16 == 0:
+def _major(s_rows: int, s_k: int, size: int) -> str | None:
+    """The memory order of an operand of (rows, k) matrices with these strides and elements of
+    ``size`` bytes: 'k' if contiguous along k, 'n' if along its rows, else None (TMA also needs
+    the other stride in whole 16 bytes). Read from strides: a view made per product to ask would
+    cost more host time than the rest of the launch's checks."""
+    if s_k == 1 and (s_rows * size) % 16 == 0:
         return "k"
-    if x.stride(1) == 1 and (x.stride(2) * x.element_size()) % 16 == 0:
+    if s_rows == 1 and (s_k * size) % 16 == 0:
         return "n"
     return None
 
@@ -630,25 +637,22 @@ def _compiled(
     n, k, L = cute.sym_int(), cute.sym_int(divisibility=8), cute.sym_int()
     m = cute.sym_int() if general else n
 
-    def operand(rows: Any, major: str) -> Any:
-        # (rows, k, L): unit stride along k (row-major) or along the rows (column-major)
-        s = cute.sym_int64(divisibility=8)
-        sl = cute.sym_int64(divisibility=8)
-        stride = (s, 1, sl) if major == "k" else (1, s, sl)
-        return make_fake_tensor(dtype, (rows, k, L), stride, assumed_align=16)
+    def strides(unit: int) -> tuple:
+        # (L, i, j) with a unit stride in mode ``unit``, the others symbolic
+        return tuple(1 if mode == unit else cute.sym_int64(divisibility=8) for mode in range(3))
 
-    out_shape = (n, m, L)
-    out_stride = (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8))
-    c = make_fake_tensor(dtype, out_shape, out_stride, assumed_align=16)
-    d = make_fake_tensor(
-        dtype, out_shape, (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)), assumed_align=16
-    )
+    # a (L, n, k), its unit stride along k ("k") or n; b (L, k, m), b^T's unit stride along k
+    # (b's mode 1) or m; C and D row-major (L, n, m)
+    a = make_fake_tensor(dtype, (L, n, k), strides(2 if a_major == "k" else 1), assumed_align=16)
+    b = make_fake_tensor(dtype, (L, k, m), strides(1 if b_major == "k" else 2), assumed_align=16)
+    c = make_fake_tensor(dtype, (L, n, m), strides(2), assumed_align=16)
+    d = make_fake_tensor(dtype, (L, n, m), strides(2), assumed_align=16)
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
     kernel = _kernel_class()(has_c, stages, pair, mirror, general)
     return cute.compile(
         kernel,
-        operand(n, a_major),
-        operand(m, b_major),
+        a,
+        b,
         c,
         d,
         tiles,
@@ -678,16 +682,17 @@ def _rect_table(rows: int, cols: int, group: int, device: torch.device) -> torch
     return torch.tensor(order, dtype=torch.int32).T.contiguous().to(device)
 
 
-def _same_operand(a: torch.Tensor, bt: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_operand(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the product reads the same matrix on both sides, so that D[r, c] and D[c, r] are
-    the same products in the same order and need no mirror: a and b^T one view of the same
-    memory (X X^T), or a and b one view of a symmetric matrix (A A, symmetric by sym_gemm's
-    contract: its result is)."""
-
-    def same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
-        return x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
-
-    return same_view(a, bt) or (a.shape[-1] == a.shape[-2] and same_view(a, b))
+    the same products in the same order and need no mirror: a one view of b^T's memory (X X^T),
+    or a and b one view of a symmetric matrix (A A, symmetric by sym_gemm's contract: its result
+    is). From shapes and strides, without making b^T."""
+    if a.data_ptr() != b.data_ptr():
+        return False
+    (L, n, k), (sa, sb) = a.shape, (a.stride(), b.stride())
+    if b.shape == (L, k, n) and sa == (sb[0], sb[2], sb[1]):
+        return True
+    return n == k and b.shape == a.shape and sa == sb
 
 
 def _majors(a: torch.Tensor, b: torch.Tensor, sides: tuple[int, ...]) -> tuple[str, str] | None:
@@ -695,18 +700,14 @@ def _majors(a: torch.Tensor, b: torch.Tensor, sides: tuple[int, ...]) -> tuple[s
     pair (fp16/bf16 alike, each of ``sides`` a multiple of TILE, k a multiple of 8, a unit stride
     TMA can use, nothing empty); None otherwise (the caller falls back)."""
     L, _, k = a.shape
-    majors = _major(a), _major(b.mT)
-    if (
-        a.dtype not in _DTYPES
-        or b.dtype != a.dtype
-        or any(side % TILE != 0 for side in sides)
-        or k % 8 != 0
-        or None in majors
-        or L == 0
-        or k == 0
-    ):
+    if a.dtype not in _DTYPES or b.dtype != a.dtype or L == 0 or k == 0 or k % 8 != 0:
         return None
-    return majors
+    for side in sides:
+        if side % TILE != 0:
+            return None
+    sa, sb, size = a.stride(), b.stride(), a.element_size()
+    majors = _major(sa[1], sa[2], size), _major(sb[2], sb[1], size)
+    return None if None in majors else majors
 
 
 def _launch(
@@ -733,7 +734,7 @@ def _launch(
     fn = _compiled(_DTYPES[a.dtype], *majors, has_c, PAIR_STAGES if pair else STAGES, *form)
     cm = 2 if pair else 1
     ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
-    fn(_as_nkl(a), _as_nkl(b.mT), _as_nkl(c if has_c else out), _as_nkl(out), table, ctas, float(alpha), float(beta))
+    fn(a, b, c if has_c else out, out, table, ctas, float(alpha), float(beta))
     return out
 
 
@@ -753,7 +754,7 @@ def sym_gemm(
     if majors is None:
         return None
     pair = pairs(n)
-    form = (pair, not _same_operand(a, b.mT, b), False)
+    form = (pair, not _same_operand(a, b), False)
     table = _tile_table(n // (TILE * (2 if pair else 1)), GROUP, a.device)
     return _launch(a, b, c, alpha, beta, out, majors, form, table)
 

@@ -133,12 +133,7 @@ class Dion3(torch.optim.Optimizer):
         self._groups: list[ShapeGroup] = build_groups(
             entries, [plan_settings(cfg) if cfg else None for cfg in self._configs], self.comm_stats
         )
-        self._ns: list[NSSettings | None] = [
-            NSSettings(cfg.ns_algorithm, cfg.coefficients(), cfg.ns_restarts, cfg.compute_dtype, cfg.ns_eps)
-            if cfg
-            else None
-            for cfg in self._configs
-        ]
+        self._ns: list[NSSettings | None] = [NSSettings.from_config(cfg) if cfg else None for cfg in self._configs]
         self.selector = RowSelector(self.comm_stats)
         self.nonfinite = NonfiniteGuard(self._one_value("nonfinite"))  # non-finite gradients and NS results
         self._hyper: dict[int, torch.Tensor] = {}  # group index -> device tensor [lr, weight_decay]

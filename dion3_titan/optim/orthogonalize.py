@@ -11,7 +11,7 @@ import torch
 
 from dion3_titan.kernels.backend import Backend, divide_by_norm
 from dion3_titan.kernels.dispatch import resolve_algorithm
-from dion3_titan.optim.config import Coefficients
+from dion3_titan.optim.config import Coefficients, Dion3Config
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,11 @@ class NSSettings:
     restarts: tuple[int, ...] = (2,)
     dtype: torch.dtype = torch.float16
     eps: float = 1e-7
+
+    @classmethod
+    def from_config(cls, cfg: Dion3Config) -> "NSSettings":
+        """The Newton-Schulz settings of a param group's config."""
+        return cls(cfg.ns_algorithm, cfg.coefficients(), cfg.ns_restarts, cfg.compute_dtype, cfg.ns_eps)
 
 
 def is_transposed_batch(views: list[torch.Tensor]) -> bool:
