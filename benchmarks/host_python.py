@@ -67,12 +67,15 @@ class _ZeroNS(Dion3):
 @contextlib.contextmanager
 def launches_stubbed() -> Iterator[None]:
     """The row engine's kernel launches do nothing inside the block."""
-    real = row_engine.launch
-    row_engine.launch = lambda *args, **kwargs: None
+    passes = (row_engine.accumulate, row_engine.gather, row_engine.normuon, row_engine.update)
+    real = [module.launch for module in passes]
+    for module in passes:
+        module.launch = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        row_engine.launch = real
+        for module, launch in zip(passes, real):
+            module.launch = launch
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Time the row engine's kernels (dion3_titan/kernels/row_engine.py) on Llama matrix shapes, for
+"""Time the row engine's kernels (dion3_titan/kernels/row_engine/) on Llama matrix shapes, for
 several tile configurations, against the torch path's ops and the memory floor.
 
 Each pass runs over every matrix of the model the way a step does (one launch per matrix),

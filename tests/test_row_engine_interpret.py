@@ -1,4 +1,4 @@
-"""The row engine's kernels (kernels/row_engine.py, optim/engine.py) against the torch path, on
+"""The row engine's kernels (kernels/row_engine/, optim/engine.py) against the torch path, on
 CPU through Triton's interpreter.
 
 As in test_kernels_interpret.py, the checks run in one child process that imports Triton with
@@ -655,7 +655,7 @@ def _ns_void_checks() -> list[dict]:
 def _cpu_graphs(runner_of):
     """Stand-ins for the CUDA calls of optim/cuda_graph.py, so that ``GraphedOptimizer`` runs on
     CPU with its own capture and refresh code. Inside the stand-in capture the row engine
-    behaves as in a real one (``row_engine._capturing``): a missing kernel table raises and no
+    behaves as in a real one (``row_engine.operands._capturing``): a missing kernel table raises and no
     table is written. Its body runs: that is the capture and the first replay in one
     (``GraphedOptimizer.step`` replays right after capturing, with nothing changed between). A
     later replay runs the captured body again reading what the graph would read: every
@@ -704,13 +704,13 @@ def _cpu_graphs(runner_of):
 
     @contextlib.contextmanager
     def graph(g, stream=None):
-        capturing = rk._capturing
-        rk._capturing = lambda device: True
+        capturing = rk.operands._capturing
+        rk.operands._capturing = lambda device: True
         MovingGradients.operand = operand
         try:
             yield
         finally:
-            rk._capturing = capturing
+            rk.operands._capturing = capturing
             MovingGradients.operand = make
 
     saved = [

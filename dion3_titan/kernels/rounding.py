@@ -1,5 +1,5 @@
 """Rounding inside Triton kernels, shared by the symmetric GEMMs (triton_ops.py) and the row
-engine (row_engine.py)."""
+engine (kernels/row_engine/)."""
 
 import triton
 import triton.language as tl

@@ -48,7 +48,7 @@ class GroupStep:
     cfg: Dion3Config
     ns: NSSettings
     flavor: Flavor
-    momenta: Sequence[torch.Tensor]  # kept from step to step (kernels/row_engine.py KeptViews)
+    momenta: Sequence[torch.Tensor]  # kept from step to step (kernels/row_engine/operands.py KeptViews)
     weights: Sequence[torch.Tensor]
     row_states: Sequence[torch.Tensor] | None  # the flavor's per-row state (B, R) per member, or None
     active: list[bool]  # a member without a gradient contributes nothing and receives no update
