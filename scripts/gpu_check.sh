@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU checks behind the headline numbers (docs/benchmarks.md, "Where we stand"), in parts
+# that each fit one 10-minute run on one H200, ours beside the anchors in the same process:
+#
+#   tests  the GPU test suite (tests/gpu)                                          ~4 min
+#   step   the optimizer step: 7b 8 layers Muon f = 1 vs dion.Muon (profiled), NorMuon f = 1
+#          and f = 1/4 vs microsoft/dion, llama3-1B shapes f = 1/4                   ~8 min
+#   ns     Newton-Schulz alone on the batches of the targets vs gram-newton-schulz, and
+#          the symmetric products vs quack's                                        ~4 min
+#   host   the eager step's host time (7b, 8 layers, NorMuon f = 1/4, norm given)   ~2 min
+#   train  real torchtitan training, llama3 1B: AdamW, Dion3 f = 1/4 and 1/8         ~8 min
+#
+#   bash scripts/gpu_check.sh PART...      # results and logs under $OUT (default ./gpu_out)
+#
+# The anchors (microsoft/dion, gram-newton-schulz, quack) must be importable: the benchmarks
+# name what is missing. Each command is written out as it runs, so a log shows what produced it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-gpu_out} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python}
+mkdir -p "$OUT"
+
+run() {
+    echo "+ $*"
+    "$@"
+}
+
+step_rows() {  # model, layers, flavor, --only rows, JSON name, extra flags
+    local model=$1 layers=$2 flavor=$3 only=$4 name=$5
+    shift 5
+    run "$PY" scripts/bench_step.py --model "$model" --layers "$layers" --flavor "$flavor" \
+        --gram-algorithm auto --only "$only" --steps 10 --out "$OUT/$name.json" "$@"
+}
+
+for part in "$@"; do
+    case "$part" in
+    tests)
+        run "$PY" -m pytest -q -n 8 -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
+        ;;
+    step)
+        step_rows 7b 8 muon "dion3_f1_gram+graph+norm,dion_muon+graph" step_7b_f1_muon --profile 14
+        step_rows 7b 8 normuon "dion3_f1_gram+graph+norm,dion_f1+graph" step_7b_f1_normuon
+        step_rows 7b 8 normuon "dion3_f1/4+graph+norm,dion_f1/4+graph" step_7b_f4_normuon
+        step_rows 1b_train 16 normuon "dion3_f1/4+graph+norm,dion_f1/4+graph" step_1b_train_f4_normuon
+        ;;
+    ns)
+        run "$PY" scripts/bench_orthogonalize.py --parts ns --backends triton,cute --no-ns5 \
+            --shapes 32x2048x2048,16x2752x4096 --rounds 5
+        run "$PY" scripts/bench_sym_ab.py --shapes 32x2048,16x2816,4x8192 --configs default --reps 5
+        ;;
+    host)
+        run "$PY" scripts/profile_host.py --model 7b --layers 8 --given-norm 2>&1 | tee "$OUT/profile_host.log"
+        ;;
+    train)
+        run "$PY" scripts/bench_train.py --only adamw,dion3_f1/4,dion3_f1/8 --steps 40 --warmup 10 --out "$OUT"
+        ;;
+    *)
+        echo "gpu_check.sh: unknown part '$part'; the parts are: tests step ns host train" >&2
+        exit 2
+        ;;
+    esac
+done
