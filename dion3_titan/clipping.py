@@ -64,8 +64,7 @@ def _wrap_torchtitan_clip() -> None:
         if any(replica for _, replica in receivers):
             bound.arguments["max_norm"] = math.inf  # each replica's own norm, nothing clipped yet
             norm = replica_norm(clip(*bound.args, **bound.kwargs), params, bound.arguments["norm_type"])
-            grads = [p for p in params if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=bound.arguments.get("foreach"))
+            _clip_per_mesh(params, max_norm, norm, bound.arguments.get("foreach"))
         else:
             norm = clip(*bound.args, **bound.kwargs)
         if isinstance(max_norm, (int, float)) and max_norm > 0:
@@ -75,3 +74,15 @@ def _wrap_torchtitan_clip() -> None:
 
     clip_grad_norm_._dion3 = True  # type: ignore[attr-defined]
     dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def _clip_per_mesh(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor, foreach: bool | None) -> None:
+    """Scale the gradients of ``params`` by max_norm / norm (at most 1), one call per device
+    mesh: a foreach op takes DTensors of one mesh only, and expert parallelism puts the experts
+    on a mesh of their own (torchtitan clips them apart too)."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=foreach)

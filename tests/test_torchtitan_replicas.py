@@ -1,18 +1,27 @@
 """Compressed sync across HSDP replicas in real torchtitan 0.2 training (4 gloo ranks, HSDP
 2 x 2, `[optimizer] replicate_sync = "compressed"`): the loss falls and the replicas' weights
 stay bit-identical; a checkpoint saved at step 10 resumes at HSDP 2 x 2 (reproducing the
-uninterrupted losses bit for bit) and at FSDP 2 (replicate degree 1); a config that cannot use
-compressed sync stops before step 1 with one line."""
+uninterrupted losses bit for bit) and at FSDP 2 (replicate degree 1); with a MoE's experts over
+expert parallelism it reproduces gradient sync; a config that cannot use compressed sync stops
+before step 1 with one line."""
 
 from pathlib import Path
 
 import pytest
 
-from tests.titan_helpers import CONFIGS, checkpoint_from, ensure_corpus, hsdp_replicas_identical, run_titan
+from tests.titan_helpers import (
+    CONFIGS,
+    checkpoint_from,
+    ensure_corpus,
+    hsdp_replicas_identical,
+    run_titan,
+    run_titans,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 LLAMA = CONFIGS / "llama3_debug_dion3.toml"
+DEEPSEEK = CONFIGS / "deepseek_v3_debug_dion3.toml"
 STEPS = 14
 COMMON = (
     "--lr_scheduler.total_steps",
@@ -61,6 +70,36 @@ def test_compressed_trains_and_resumes(tmp_path: Path) -> None:
     # from the step-10 weights (another world size reads the data from its start): well below
     # the untrained loss at every step, no blow-up
     assert max(got.values()) < losses[1] - 1.0, (got, losses)
+
+
+def test_compressed_with_expert_parallelism_equals_gradient_sync(tmp_path: Path) -> None:
+    """deepseek_v3's debug MoE on HSDP 2 x 2 with its routed experts over EP 2: the experts live
+    on a mesh of their own (replicas x expert FSDP x EP), the rest on replicas x FSDP. With
+    random selection (the same rows under either sync) and a clipping factor of 1, compressed
+    sync trains as gradient sync does, step for step (the replicas' mean momentum is the synced
+    one, experts included), and the replicas' weights stay bit-identical. The replica-consistent
+    clipping scales the gradients of both meshes."""
+    ensure_corpus()
+    common = (
+        *("--training.steps", "6", "--lr_scheduler.total_steps", "6", "--validation.no-enable"),
+        *("--training.max_norm", "1000", "--optimizer.selection", "random"),
+        *HSDP,
+        *("--parallelism.expert_parallel_degree", "2"),
+    )
+    runs = run_titans(
+        {
+            "gradients": (DEEPSEEK, tmp_path / "gradients", common),
+            "compressed": (DEEPSEEK, tmp_path / "compressed", (*common, *COMPRESSED)),
+        },
+        nproc=4,
+    )
+    for name, run in runs.items():
+        assert run.returncode == 0, (name, run.output[-4000:])
+    synced, compressed = runs["gradients"].losses(), runs["compressed"].losses()
+    assert sorted(compressed) == list(range(1, 7)), compressed
+    assert compressed[6] < compressed[1] - 0.5, compressed  # it trains
+    assert compressed == pytest.approx(synced, rel=1e-5, abs=0.0), (compressed, synced)
+    assert hsdp_replicas_identical(runs["compressed"]), [r["local_hashes"] for r in runs["compressed"].records]
 
 
 @pytest.mark.parametrize(

@@ -65,18 +65,14 @@ def parse_job_config(args: list[str]) -> Any:
 
 def check_compressed(parallelism: Any) -> None:
     """Compressed sync needs HSDP: replicas, each sharded by FSDP2 (whose reduction within a
-    replica it keeps); expert parallelism shards experts over meshes of its own."""
+    replica it keeps). Expert parallelism composes with it: the experts' FSDP2 mesh has the same
+    replicate dim."""
     p = parallelism
     if p.data_parallel_replicate_degree <= 1 or p.data_parallel_shard_degree == 1:
         raise ConfigError(
             "[optimizer] replicate_sync='compressed' needs HSDP: [parallelism] data_parallel_replicate_degree > 1 "
             f"and data_parallel_shard_degree > 1 or -1 (got {p.data_parallel_replicate_degree} and "
             f"{p.data_parallel_shard_degree}); use replicate_sync='gradients'"
-        )
-    if p.expert_parallel_degree > 1:
-        raise ConfigError(
-            "[optimizer] replicate_sync='compressed' does not support expert_parallel_degree > 1 yet; "
-            "use replicate_sync='gradients'"
         )
 
 

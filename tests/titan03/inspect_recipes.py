@@ -116,8 +116,7 @@ def deepseek_v3_debug_dion3() -> InspectingTrainer.Config:
     return _inspecting(recipes.deepseek_v3_debug_dion3())
 
 
-def _with_dion3_kwargs(**kwargs: Any) -> InspectingTrainer.Config:
-    config = recipes.llama3_debug_dion3()
+def _with_dion3_kwargs(config: Trainer.Config, **kwargs: Any) -> InspectingTrainer.Config:
     first = config.optimizer.param_groups[0]
     groups = [
         ParamGroupConfig(
@@ -134,21 +133,31 @@ def _with_dion3_kwargs(**kwargs: Any) -> InspectingTrainer.Config:
 
 def llama3_debug_dion3_compressed() -> InspectingTrainer.Config:
     """Compressed sync across HSDP replicas (the replicate degree is set on the command line)."""
-    return _with_dion3_kwargs(replicate_sync="compressed")
+    return _with_dion3_kwargs(recipes.llama3_debug_dion3(), replicate_sync="compressed")
+
+
+def deepseek_v3_debug_dion3_random() -> InspectingTrainer.Config:
+    """The MoE debug model with random selection (rows that do not depend on the sync)."""
+    return _with_dion3_kwargs(recipes.deepseek_v3_debug_dion3(), selection="random")
+
+
+def deepseek_v3_debug_dion3_random_compressed() -> InspectingTrainer.Config:
+    """The same under compressed sync across HSDP replicas."""
+    return _with_dion3_kwargs(recipes.deepseek_v3_debug_dion3(), selection="random", replicate_sync="compressed")
 
 
 def llama3_debug_dion3_skip() -> InspectingTrainer.Config:
     """nonfinite = "skip" (a test plants an inf gradient)."""
-    return _with_dion3_kwargs(nonfinite="skip")
+    return _with_dion3_kwargs(recipes.llama3_debug_dion3(), nonfinite="skip")
 
 
 def bad_fraction() -> InspectingTrainer.Config:
-    return _with_dion3_kwargs(fraction=1.5)
+    return _with_dion3_kwargs(recipes.llama3_debug_dion3(), fraction=1.5)
 
 
 def bad_flavor() -> InspectingTrainer.Config:
-    return _with_dion3_kwargs(flavor="x")
+    return _with_dion3_kwargs(recipes.llama3_debug_dion3(), flavor="x")
 
 
 def misspelled_key() -> InspectingTrainer.Config:
-    return _with_dion3_kwargs(fractoin=0.5)
+    return _with_dion3_kwargs(recipes.llama3_debug_dion3(), fractoin=0.5)
