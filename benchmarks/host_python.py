@@ -113,18 +113,12 @@ def ns_batches(shape: ModelShape, fraction: float, preference: str) -> list[tupl
     """(x, tall, backend) of each distinct layer matrix shape's Newton-Schulz at ``fraction`` (its
     selected rows x its columns), x one fp16 matrix packed at the backend's Gram side, as the
     step hands it over normalized. ``preference`` "auto": the backend "auto" picks on a Hopper
-    GPU with CuteDSL (dispatch.select_backend's rules, which ask the GPU itself)."""
+    GPU with CuteDSL (``dispatch.auto_choice``)."""
     out = []
     for rows, cols in dict.fromkeys(layer_matrices(shape)):
         k = rows_to_select(fraction, rows)
         tall, side = k > cols, min(k, cols)
-        if preference != "auto":
-            backend = dispatch.get_backend(preference)
-        elif side < dispatch.TRITON_MIN_N:
-            backend = dispatch.get_backend("torch")
-        else:
-            prefers = dispatch.prefers_cute(dispatch.get_backend("triton").gram_side(side))
-            backend = dispatch.get_backend("cute" if prefers else "triton")
+        backend = dispatch.get_backend(preference if preference != "auto" else dispatch.auto_choice(side, True))
         padded = backend.gram_side(side)
         x = torch.empty((1, padded, max(k, cols)), dtype=torch.float16)
         out.append((x.mT if tall else x, tall, backend))

@@ -455,6 +455,28 @@ def test_cute_window_counts_the_padded_gram_side() -> None:
     }
 
 
+def test_auto_choice_on_a_gpu_with_and_without_cutedsl() -> None:
+    """What "auto" runs for an fp16/bf16 batch on a CUDA GPU, by Gram side: torch's products
+    below TRITON_MIN_N, then CuteDSL's on the sides of its window where it runs, Triton's on the
+    rest, and Triton's everywhere from TRITON_MIN_N on where CuteDSL does not run."""
+    from dion3_titan.kernels import dispatch
+
+    sides = (128, 255, 256, 512, 1000, 2752, 4224, 8192)
+    assert {n: dispatch.auto_choice(n, cute_runs=True) for n in sides} == {
+        128: "torch",
+        255: "torch",
+        256: "triton",
+        512: "triton",
+        1000: "cute",
+        2752: "cute",
+        4224: "triton",
+        8192: "cute",
+    }
+    assert {n: dispatch.auto_choice(n, cute_runs=False) for n in sides} == {
+        n: "torch" if n < dispatch.TRITON_MIN_N else "triton" for n in sides
+    }
+
+
 def test_cute_general_table_covers_every_tile_once() -> None:
     """The general mode's tile list: every (row, column) tile exactly once, in bands of GROUP
     rows taken column by column."""

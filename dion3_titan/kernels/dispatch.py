@@ -83,16 +83,19 @@ def select_backend(
         return get_backend(preference)
     device = torch.device(device)
     _, n, m = shape
-    side = min(n, m)
     if device.type != "cuda" or dtype not in _HALF:
         return get_backend("torch")
-    if side >= TRITON_MIN_N:
-        triton = get_backend("triton")  # its padding is CuteDSL's too (CuteOps extends TritonOps)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if prefers_cute(triton.gram_side(side)) and _cute_runs(index):
-            return get_backend("cute")
-        return triton
-    return get_backend("torch")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return get_backend(auto_choice(min(n, m), _cute_runs(index)))
+
+
+def auto_choice(side: int, cute_runs: bool) -> str:
+    """The backend "auto" picks for an fp16/bf16 batch of Gram side ``side`` on a CUDA GPU where
+    CuteDSL runs or not: torch below TRITON_MIN_N, then CuteDSL where ``prefers_cute`` (of the
+    side padded as the Triton backend pads it, which CuteDSL's backend extends), else Triton."""
+    if side < TRITON_MIN_N:
+        return "torch"
+    return "cute" if cute_runs and prefers_cute(get_backend("triton").gram_side(side)) else "triton"
 
 
 def resolve_algorithm(algorithm: str, n: int, m: int) -> str:
