@@ -173,6 +173,14 @@ def test_cuda_graph_warmup_below_one_is_refused(warmup: str, graph: bool) -> Non
     with pytest.raises(ValueError) as err:
         build_dion3_optimizers([torch.nn.Linear(8, 8)], cfg.optimizer, parallel_dims=None)
     assert f"[optimizer] cuda_graph_warmup={warmup}: must be an integer >= 1" in str(err.value), str(err.value)
+    # and by the check before any rank starts (check_config), in one line
+    from dion3_titan.titan02.check_config import ConfigError, parse_job_config
+
+    args = ["--optimizer.cuda_graph_warmup", warmup, *(["--optimizer.cuda_graph", "True"] if graph else [])]
+    with pytest.raises(ConfigError) as err:
+        parse_job_config(["--job.config_file", str(LLAMA), *args])
+    assert str(err.value).startswith(f"[optimizer] cuda_graph_warmup={warmup}: must be an integer >= 1")
+    assert "\n" not in str(err.value)
 
 
 def test_cuda_graph_warmup_one_is_accepted() -> None:

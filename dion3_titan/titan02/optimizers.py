@@ -63,6 +63,18 @@ def dion3_options(cfg: OptimizerConfig) -> dict[str, Any]:
     return resolve_options(cfg.name, opts)
 
 
+def graph_warmup(cfg: OptimizerConfig) -> int | None:
+    """``cuda_graph_warmup`` as set (None: unset), checked even with cuda_graph off, so a bad
+    value is never ignored (ValueError naming the key)."""
+    warmup = getattr(cfg, "cuda_graph_warmup", None)
+    if warmup is not None:
+        try:
+            check_warmup(warmup)
+        except ValueError as e:
+            raise ValueError(f"[optimizer] {e}") from e
+    return warmup
+
+
 class Dion3OptimizersContainer(OptimizersContainer):
     """One optimizer (Dion3 or a subclass) per model part (pipeline stage), each with the same
     two groups: matrices (algorithm "dion3") first, then AdamW for embeddings/output/norms/
@@ -105,12 +117,7 @@ class Dion3OptimizersContainer(OptimizersContainer):
         """What ``step`` calls per model part: the optimizer, or its captured step. ``cuda_graph``
         unset: captured wherever that works (a Dion3-engine optimizer on CUDA parameters with a
         selection the graph can replay), eager elsewhere, and one log line says which."""
-        warmup = getattr(cfg, "cuda_graph_warmup", None)
-        if warmup is not None:  # checked even with cuda_graph off: a bad value is never ignored
-            try:
-                check_warmup(warmup)
-            except ValueError as e:
-                raise ValueError(f"[optimizer] {e}") from e
+        warmup = graph_warmup(cfg)
         requested = getattr(cfg, "cuda_graph", None)
         if requested is None:
             why = self._graph_blocker(cfg)

@@ -26,7 +26,7 @@ from torchtitan.tools.logging import logger
 from dion3_titan import clipping, compressed
 from dion3_titan.dist.replicas import average_over_replicas
 from dion3_titan.names import NAMES, PRMUON_KEYS, resolve_options
-from dion3_titan.optim.cuda_graph import GraphedOptimizer, replaying
+from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup, replaying
 from dion3_titan.optim.dion3 import Dion3
 from dion3_titan.optim.nonfinite import norm_ok
 from dion3_titan.optimizer_metrics import OptimizerMetrics, combine
@@ -94,8 +94,7 @@ class Dion3Optimizers(OptimizersContainer):
                         f"cuda_graph=True is not supported with optimizer_name={name!r}: "
                         f"{NAMES[OPTIMIZER_NAMES[name]].no_graph}; set cuda_graph=False"
                     )
-            if not isinstance(self.cuda_graph_warmup, int) or self.cuda_graph_warmup < 1:
-                raise ValueError(f"cuda_graph_warmup={self.cuda_graph_warmup!r}: must be an integer >= 1")
+            check_warmup(self.cuda_graph_warmup)
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if config.cuda_graph and not torch.cuda.is_available():

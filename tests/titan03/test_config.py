@@ -54,6 +54,15 @@ def test_cuda_graph_with_prmuon_is_refused() -> None:
         )
 
 
+@pytest.mark.parametrize("warmup", [0, -2, True, 1.5])
+def test_cuda_graph_warmup_below_one_or_not_an_integer_is_refused(warmup) -> None:
+    with pytest.raises(ValueError, match=rf"cuda_graph_warmup={warmup!r}: must be an integer >= 1"):
+        Dion3Optimizers.Config(
+            cuda_graph_warmup=warmup,
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="Dion3", optimizer_kwargs={})],
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
