@@ -397,3 +397,17 @@ def test_titan03_start_names_the_torch_it_needs(monkeypatch) -> None:
     monkeypatch.delattr(fsdp, "DataParallelMeshDims")
     with pytest.raises(SystemExit, match=r"torchtitan 0.3 needs a torch with .*DataParallelMeshDims.*torchtitan 0.2.2"):
         _require_torch_for_titan03()
+
+
+def test_an_optimizer_name_nobody_builds_is_refused_before_ranks_start() -> None:
+    """torchtitan itself would fail on it only after every rank built its model, without the
+    allowed names; check_config names them."""
+    from dion3_titan.titan02.check_config import ConfigError, parse_job_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_job_config(["--job.config_file", str(LLAMA), "--optimizer.name", "dion4"])
+    assert str(err.value) == (
+        "[optimizer] name='dion4': allowed values are ('dion3', 'muon', 'normuon', 'prmuon') (this plugin) "
+        "or ('Adam', 'AdamW') (torchtitan's)"
+    )
+    parse_job_config(["--job.config_file", str(LLAMA), "--optimizer.name", "AdamW"])

@@ -78,3 +78,17 @@ def test_torchtitan_symbols() -> None:
     # check_config: torchtitan's own TOML loading and custom-config merge
     assert callable(ConfigManager._maybe_add_custom_config)
     assert callable(ConfigManager._maybe_load_toml)
+
+
+def test_torchtitan_optimizer_names() -> None:
+    """check_config refuses an [optimizer] name that neither we nor torchtitan build: its list of
+    torchtitan's names is the one build_optimizers holds."""
+    import re
+
+    from torchtitan.components import optimizer
+
+    from dion3_titan.titan02.check_config import TITAN_OPTIMIZERS
+
+    source = inspect.getsource(optimizer.build_optimizers)
+    (table,) = re.findall(r"optimizer_classes = \{(.*?)\}", source, re.S)
+    assert tuple(re.findall(r'"(\w+)":', table)) == TITAN_OPTIMIZERS

@@ -5,6 +5,7 @@ the way torchtitan's trainer will and reports the first problem as one line, exi
 
 - the config file is missing or is not TOML,
 - a section or key that the job config does not have (`[optimizer] fractoin`),
+- an optimizer name neither this plugin nor torchtitan builds (`[optimizer] name = "dion4"`),
 - a TOML value of the wrong type (`momentum = "high"`; torchtitan passes these through unchecked),
 - an override the command-line parser rejects (`--optimizer.fraction abc`),
 - a bad Dion3 / Periodic Row-wise Muon value (the optimizers' own validation, `dion3_options`,
@@ -54,6 +55,7 @@ def parse_job_config(args: list[str]) -> Any:
         check_toml(config_cls, toml)
     config = _parse_with_overrides(manager, args)
     check_pipeline_validation(config)
+    check_optimizer_name(config.optimizer.name, config.model.name)
     if config.optimizer.name in NAMES:
         try:
             options = dion3_options(config.optimizer)
@@ -63,6 +65,26 @@ def parse_job_config(args: list[str]) -> Any:
         if options.get("replicate_sync") == "compressed":
             check_compressed(config.parallelism)
     return config
+
+
+# The names torchtitan 0.2's own build_optimizers takes (tests/test_upstream_symbols.py reads
+# them from its source): every other name fails there, after every rank has built its model.
+TITAN_OPTIMIZERS = ("Adam", "AdamW")
+
+
+def check_optimizer_name(name: str, model: str) -> None:
+    """``[optimizer] name`` is one of this plugin's or one torchtitan builds, for torchtitan's
+    own models (whose optimizers torchtitan's builder makes; a model registered elsewhere may
+    bring a builder that takes other names)."""
+    from torchtitan.models import _supported_models
+
+    from dion3_titan.names import NAMES
+
+    if model in _supported_models and name not in NAMES and name not in TITAN_OPTIMIZERS:
+        raise ConfigError(
+            f"[optimizer] name={name!r}: allowed values are {tuple(NAMES)} (this plugin) or "
+            f"{TITAN_OPTIMIZERS} (torchtitan's)"
+        )
 
 
 def check_compressed(parallelism: Any) -> None:
