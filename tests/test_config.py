@@ -140,6 +140,24 @@ def test_1d_param_in_dion3_group():
     Dion3([{"params": [_param(4, 8)]}, {"params": [_param(8)], "algorithm": "adamw"}])  # fine
 
 
+@pytest.mark.parametrize(
+    "group, line",
+    [
+        ({"lr": -1.0}, "lr=-1.0: must be a number >= 0"),
+        ({"betas": (0.9, 1.0)}, "betas[1]=1.0: must be a number in [0, 1)"),
+        ({"betas": (0.9,)}, "betas=(0.9,): must be two numbers (beta1, beta2)"),
+        ({"eps": "small"}, "eps='small': must be a number >= 0"),
+        ({"weight_decay": -0.5}, "weight_decay=-0.5: must be a number >= 0"),
+    ],
+)
+def test_bad_adamw_group_names_the_key(group, line):
+    """The AdamW group's hyperparameters are checked as torch.optim.AdamW checks them (the step
+    calls the functional adamw, which would take a negative lr or a beta of 1 silently)."""
+    with pytest.raises(ValueError) as err:
+        Dion3([{"params": [_param(4, 8)]}, {"params": [_param(8)], "algorithm": "adamw", **group}])
+    assert str(err.value) == f"param group 1 (algorithm 'adamw'): {line}"
+
+
 def test_bad_algorithm_in_group():
     with pytest.raises(ValueError) as err:
         Dion3([{"params": [_param(4, 8)]}, {"params": [_param(8)], "algorithm": "sgd"}])

@@ -260,6 +260,19 @@ CHECKS = {
         "of the 4 pipeline microbatches (training.local_batch_size / pipeline_parallel_microbatch_size); "
         "set it to 4, or set [validation] enable = false",
     ),
+    "adamw-lr": ((), ("--optimizer.adamw_lr", "-1"), "[optimizer] adamw_lr=-1.0: must be a number >= 0"),
+    "adamw-beta1": ((), ("--optimizer.beta1", "1.5"), "[optimizer] beta1=1.5: must be a number in [0, 1)"),
+    "adamw-weight-decay": (
+        (),
+        ("--optimizer.adamw_weight_decay", "-0.1"),
+        "[optimizer] adamw_weight_decay=-0.1: must be a number >= 0",
+    ),
+    "graph-warmup": (
+        (),
+        ("--optimizer.cuda_graph_warmup", "0"),
+        "[optimizer] cuda_graph_warmup=0: must be an integer >= 1 (eager steps before capture: kernels "
+        "compile and buffers are allocated there, which capture cannot do)",
+    ),
     "not-toml": (("[job]", "[job"), (), None),  # message from tomllib, checked by prefix below
 }
 

@@ -5,6 +5,7 @@ the TOML keys under ``[optimizer]`` all use them.
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -191,6 +192,30 @@ class Dion3Config:
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+# AdamW's hyperparameters and what each must be (torch.optim.AdamW's rules)
+_ADAMW_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "lr": (">= 0", lambda v: v >= 0.0),
+    "beta1": ("in [0, 1)", lambda v: 0.0 <= v < 1.0),
+    "beta2": ("in [0, 1)", lambda v: 0.0 <= v < 1.0),
+    "eps": (">= 0", lambda v: v >= 0.0),
+    "weight_decay": (">= 0", lambda v: v >= 0.0),
+}
+
+
+def check_adamw(values: dict[str, object], where: str = "", spell: dict[str, str] | None = None) -> None:
+    """The AdamW hyperparameters given (keys of lr, beta1, beta2, eps, weight_decay) with
+    torch.optim.AdamW's rules: the step calls the functional adamw, which checks none of them.
+    ValueError naming the key as ``spell`` spells it (else as above), after ``where``."""
+    for key, value in values.items():
+        text, ok = _ADAMW_RULES[key]
+        try:
+            good = not isinstance(value, bool) and ok(float(value))
+        except (TypeError, ValueError):
+            good = False
+        if not good:
+            raise ValueError(f"{where}{(spell or {}).get(key, key)}={value!r}: must be a number {text}")
 
 
 def fraction_transfer(fraction: float, transfer: bool) -> float:

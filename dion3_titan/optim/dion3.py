@@ -22,7 +22,7 @@ from dion3_titan.kernels import Backend, select_backend
 from dion3_titan.kernels.flops import ns_flops
 from dion3_titan.kernels.row_engine import KeptViews
 from dion3_titan.optim import engine, overlap
-from dion3_titan.optim.config import LIVE_KEYS, Dion3Config, fraction_transfer, lr_scale
+from dion3_titan.optim.config import LIVE_KEYS, Dion3Config, check_adamw, fraction_transfer, lr_scale
 from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
@@ -36,6 +36,15 @@ from dion3_titan.optim.stages_reference import ReferenceStages
 
 ALGORITHMS = ("dion3", "adamw")
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
+
+
+def check_adamw_group(group: dict, where: str) -> None:
+    """An AdamW param group's lr, betas, eps and weight_decay (ValueError naming the key)."""
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}betas={betas!r}: must be two numbers (beta1, beta2)")
+    values = {"lr": group["lr"], "beta1": betas[0], "beta2": betas[1], "eps": group["eps"]}
+    check_adamw({**values, "weight_decay": group["weight_decay"]}, where, {"beta1": "betas[0]", "beta2": "betas[1]"})
 
 
 def plan_settings(cfg: Dion3Config) -> PlanSettings:
@@ -76,6 +85,8 @@ class Dion3(torch.optim.Optimizer):
             if algo not in ALGORITHMS:
                 raise ValueError(f"param group {i}: algorithm={algo!r}: allowed values are {ALGORITHMS}")
             cfg = None
+            if algo == "adamw":
+                check_adamw_group(group, f"param group {i} (algorithm 'adamw'): ")
             if algo == "dion3":
                 cfg = Dion3Config(**{k: group[k] for k in Dion3Config.keys()})
                 for p in group["params"]:

@@ -8,8 +8,9 @@ the way torchtitan's trainer will and reports the first problem as one line, exi
 - an optimizer name neither this plugin nor torchtitan builds (`[optimizer] name = "dion4"`),
 - a TOML value of the wrong type (`momentum = "high"`; torchtitan passes these through unchecked),
 - an override the command-line parser rejects (`--optimizer.fraction abc`),
-- a bad Dion3 / Periodic Row-wise Muon value (the optimizers' own validation, `dion3_options`,
-  and the container's `cuda_graph_warmup`),
+- a bad Dion3 / Periodic Row-wise Muon value (the optimizers' own validation, `dion3_options`),
+  AdamW value of their AdamW group (`adamw_lr`, `beta1`, `beta2`, `eps`, `adamw_weight_decay`)
+  or `cuda_graph_warmup`,
 - a validation batch that pipeline parallelism cannot cut into its microbatches.
 
 `dion3_titan.train` runs the same check on every rank before torchtitan starts (titan02/train.py),
@@ -43,7 +44,7 @@ def parse_job_config(args: list[str]) -> Any:
     from torchtitan.config import ConfigManager
 
     from dion3_titan.names import NAMES
-    from dion3_titan.titan02.optimizers import dion3_options, graph_warmup
+    from dion3_titan.titan02.optimizers import adamw_options, dion3_options, graph_warmup
 
     manager = ConfigManager()
     toml = _load_toml(manager, args)
@@ -59,6 +60,7 @@ def parse_job_config(args: list[str]) -> Any:
     if config.optimizer.name in NAMES:
         try:
             options = dion3_options(config.optimizer)
+            adamw_options(config.optimizer)
             graph_warmup(config.optimizer)
         except ValueError as e:
             raise ConfigError(str(e)) from None

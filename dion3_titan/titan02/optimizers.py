@@ -20,7 +20,7 @@ from torchtitan.tools.logging import logger
 
 from dion3_titan import clipping, compressed
 from dion3_titan.names import DION3_KEYS, NAMES, PRMUON_KEYS, resolve_options
-from dion3_titan.optim.config import Dion3Config
+from dion3_titan.optim.config import Dion3Config, check_adamw
 from dion3_titan.optim.cuda_graph import GraphedOptimizer, check_warmup, replaying
 from dion3_titan.optim.routing import build_param_groups
 from dion3_titan.optim.split import with_auto_split_specs
@@ -75,6 +75,18 @@ def graph_warmup(cfg: OptimizerConfig) -> int | None:
     return warmup
 
 
+def adamw_options(cfg: OptimizerConfig) -> dict[str, Any]:
+    """``build_param_groups``' AdamW keywords from the [optimizer] keys, checked (ValueError
+    naming the key). adamw_lr and adamw_weight_decay unset: build_param_groups' defaults (the
+    matrix lr; no weight decay)."""
+    adamw: dict[str, Any] = {"adamw_betas": (cfg.beta1, cfg.beta2), "adamw_eps": cfg.eps}
+    adamw.update({k: v for k in ("adamw_lr", "adamw_weight_decay") if (v := getattr(cfg, k)) is not None})
+    values = {"beta1": cfg.beta1, "beta2": cfg.beta2, "eps": cfg.eps}
+    values.update({k: adamw[f"adamw_{k}"] for k in ("lr", "weight_decay") if f"adamw_{k}" in adamw})
+    check_adamw(values, "[optimizer] ", {"lr": "adamw_lr", "weight_decay": "adamw_weight_decay"})
+    return adamw
+
+
 class Dion3OptimizersContainer(OptimizersContainer):
     """One optimizer (Dion3 or a subclass) per model part (pipeline stage), each with the same
     two groups: matrices (algorithm "dion3") first, then AdamW for embeddings/output/norms/
@@ -85,9 +97,7 @@ class Dion3OptimizersContainer(OptimizersContainer):
         optimizer_cls = NAMES[cfg.name].cls
         options = dion3_options(cfg)
         lr = options.pop("lr", Dion3Config.lr)
-        adamw = {"adamw_betas": (cfg.beta1, cfg.beta2), "adamw_eps": cfg.eps}
-        # unset: build_param_groups' defaults (the matrix lr; no weight decay)
-        adamw.update({k: v for k in ("adamw_lr", "adamw_weight_decay") if (v := getattr(cfg, k)) is not None})
+        adamw = adamw_options(cfg)
         self.model_parts = model_parts
         compressed_sync = options.get("replicate_sync") == "compressed"
         if compressed_sync:  # FSDP2 stops syncing across replicas
