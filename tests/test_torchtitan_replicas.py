@@ -78,10 +78,12 @@ def test_compressed_with_expert_parallelism_equals_gradient_sync(tmp_path: Path)
     random selection (the same rows under either sync) and a clipping factor of 1, compressed
     sync trains as gradient sync does, step for step (the replicas' mean momentum is the synced
     one, experts included), and the replicas' weights stay bit-identical. The replica-consistent
-    clipping scales the gradients of both meshes."""
+    clipping scales the gradients of both meshes. Two microbatches per step (gradient
+    accumulation): FSDP2 reduces each within the replica and sums them."""
     ensure_corpus()
     common = (
         *("--training.steps", "6", "--lr_scheduler.total_steps", "6", "--validation.no-enable"),
+        *("--training.local_batch_size", "2", "--training.global_batch_size", "16"),
         *("--training.max_norm", "1000", "--optimizer.selection", "random"),
         *HSDP,
         *("--parallelism.expert_parallel_degree", "2"),
@@ -95,6 +97,7 @@ def test_compressed_with_expert_parallelism_equals_gradient_sync(tmp_path: Path)
     )
     for name, run in runs.items():
         assert run.returncode == 0, (name, run.output[-4000:])
+        assert "gradient accumulation steps 2" in run.output, name
     synced, compressed = runs["gradients"].losses(), runs["compressed"].losses()
     assert sorted(compressed) == list(range(1, 7)), compressed
     assert compressed[6] < compressed[1] - 0.5, compressed  # it trains
