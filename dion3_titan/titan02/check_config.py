@@ -9,8 +9,8 @@ the way torchtitan's trainer will and reports the first problem as one line, exi
 - a TOML value of the wrong type (`momentum = "high"`; torchtitan passes these through unchecked),
 - an override the command-line parser rejects (`--optimizer.fraction abc`),
 - a bad Dion3 / Periodic Row-wise Muon value (the optimizers' own validation, `dion3_options`),
-  AdamW value of their AdamW group (`adamw_lr`, `beta1`, `beta2`, `eps`, `adamw_weight_decay`)
-  or `cuda_graph_warmup`,
+  a bad value for their AdamW group (`adamw_lr`, `beta1`, `beta2`, `eps`, `adamw_weight_decay`)
+  or for `cuda_graph_warmup`,
 - a validation batch that pipeline parallelism cannot cut into its microbatches.
 
 `dion3_titan.train` runs the same check on every rank before torchtitan starts (titan02/train.py),
