@@ -43,8 +43,14 @@ def check_adamw_group(group: dict, where: str) -> None:
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{where}betas={betas!r}: must be two numbers (beta1, beta2)")
-    values = {"lr": group["lr"], "beta1": betas[0], "beta2": betas[1], "eps": group["eps"]}
-    check_adamw({**values, "weight_decay": group["weight_decay"]}, where, {"beta1": "betas[0]", "beta2": "betas[1]"})
+    values = {
+        "lr": group["lr"],
+        "beta1": betas[0],
+        "beta2": betas[1],
+        "eps": group["eps"],
+        "weight_decay": group["weight_decay"],
+    }
+    check_adamw(values, where, {"beta1": "betas[0]", "beta2": "betas[1]"})
 
 
 def plan_settings(cfg: Dion3Config) -> PlanSettings:
