@@ -53,11 +53,10 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.llama import MODELS, GradFiller, ModelShape, build_model, count_params
 from benchmarks.output import fmt, output_path, write_json
-from benchmarks.ranks import all_ranks_true, init_distributed, log, rank, world_size
+from benchmarks.ranks import all_ranks_true, finish, init_distributed, log, rank, world_size
 from benchmarks.step_configs import (
     GRAPH_WARMUP,
     WEIGHT_DECAY,
@@ -257,9 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         if path is not None:
             print(f"wrote {path}")
         print(f"total {time.time() - t_start:.0f} s")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish(device)
 
 
 if __name__ == "__main__":
