@@ -128,12 +128,14 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
     ns = cfg.compute_dtype.itemsize  # results cross replicas as Newton-Schulz returns them
     extra = 1 if FLAVORS[cfg.flavor].row_data else 0
     compressed = sync.mode == "compressed"
+    scored = [g for g in plans if not every_row(g, s, cfg)] if compressed and cfg.selection == "l1" else []
+    if scored:  # the replicas agree on every shape group's scores in one all-reduce
+        numel = sum(g.batch[s] * g.layouts[s].local_rows for g in scored)
+        rec.ring("optimizer", "scores all-reduce", "replicate", all_reduce_bytes(numel, R, FP32))
     for g in plans:
-        k, n, rows = g.k[s], g.batch[s], g.layouts[s].local_rows
+        k, n = g.k[s], g.batch[s]
         mom = g.dtype.itemsize  # momentum rows travel in the momentum's (the parameter's) dtype
         every = every_row(g, s, cfg)
-        if compressed and not every and cfg.selection == "l1":
-            rec.ring("optimizer", "scores all-reduce", "replicate", all_reduce_bytes(n * rows, R, FP32))
         if not g.sharded:  # whole on every shard rank
             if compressed:
                 _replica_split(rec, n, k * g.cols[s], r, mom, ns)

@@ -74,8 +74,8 @@ def test_owners_balance_equal_matrices(seed):
 
 @pytest.mark.parametrize("flavor", ["muon", "normuon"])
 def test_compressed_hsdp_hand_counted(seed, flavor):
-    """HSDP R x S, compressed: no gradient all-reduce; per shape group a score all-reduce of
-    the local rows (f < 1); the owner's gathered matrix split over the replicas with exact
+    """HSDP R x S, compressed: no gradient all-reduce; one score all-reduce of the local rows
+    of every shape group (f < 1); the owner's gathered matrix split over the replicas with exact
     counts (replica r orthogonalizes (r+1)n//R - rn//R of its n matrices: the others' copies of
     its share come to it, and its results go to the others, in the NS dtype); AdamW gradients
     all-reduced by the optimizer; NS once per share."""

@@ -4,7 +4,8 @@
   of the selected rows crossing) equals ``"gradients"`` (every replica the mean gradient) to fp32
   rounding after 10 steps with random selection, for both flavors at f = 1/4 and 1, and the
   replicas' weights are bit-identical at every step;
-- l1 selection under compressed sync runs with the replicas identical at every step;
+- l1 selection under compressed sync runs with the replicas identical at every step, and every
+  replica updates the top rows of the replicas' summed l1 norms;
 - ``replicate_ns = "split"`` equals ``"repeat"``;
 - at f = 1/4 the matrices' bytes across replicas are <= 0.3x what FSDP2's gradient all-reduce
   moves in "gradients" mode;
@@ -153,9 +154,36 @@ def _params_full(seed):
     return [torch.randn(s, generator=g) for s in SHAPES]
 
 
+def _l1_rows(mesh) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One compressed step with l1 selection (f = 1/4, no weight decay, momentum from zero, so
+    exactly the selected weight rows change): per matrix, this rank's changed rows, and the
+    top rows (as many) of the replicas' summed l1 norms and of this replica's own."""
+    matrices = _params(mesh, SHAPES, 0)
+    before = [p.to_local().clone() for p in matrices]
+    opt = _optimizer(matrices, [], {"fraction": 0.25, "replicate_sync": "compressed", "weight_decay": 0.0})
+    _set_grads(mesh, matrices, 0, "compressed", SHAPES)
+    opt.step()
+    shard, replica = mesh.get_local_rank(1), mesh.get_local_rank(0)
+    per_replica = [_grads(0, r, SHAPES) for r in range(R)]
+    out = []
+    for i, (p, b) in enumerate(zip(matrices, before)):
+        changed = (p.to_local() != b).any(dim=-1)
+        l1 = [g[i].tensor_split(S)[shard].abs().sum(dim=-1) for g in per_replica]
+        k = int(changed.sum(dim=-1).reshape(-1)[0])
+
+        def top(scores: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(changed).scatter(-1, scores.topk(k, dim=-1).indices, True)
+
+        out.append((changed, top(sum(l1)), top(l1[replica])))
+    return out
+
+
 def _variants_worker(rank, world, out):
     mesh = _mesh()
+    import torch.distributed as dist
+
     l1 = _run(mesh, {"fraction": 0.25, "flavor": "normuon"}, "compressed")
+    rows = _l1_rows(mesh)
     split = {}
     for ns in ("repeat", "split"):
         split[ns] = _run(mesh, {"fraction": 0.25, "flavor": "normuon", "replicate_ns": ns}, "gradients", steps=4)
@@ -175,6 +203,8 @@ def _variants_worker(rank, world, out):
     _set_grads(mesh, [p], 0, "compressed", [(8, 4)])
     own = torch.tensor(3.0 + 4.0 * mesh.get_local_rank(0))  # 3 on replica 0, 7 on replica 1
     norms = {t: float(replica_norm(own, [p], t)) for t in (2.0, 1.0, float("inf"))}
+    l1["rows"] = [None] * world
+    dist.all_gather_object(l1["rows"], rows)
     if rank == 0:
         torch.save(
             {"l1": l1, "split": split, "comp_bytes": comp["bytes"], "fsdp_bytes": fsdp, "later": later, "norms": norms},
@@ -187,6 +217,15 @@ def test_l1_split_bytes_and_checkpoint_average(tmp_path):
     spawn(R * S, _variants_worker, str(out))
     r = torch.load(out)
     assert all(r["l1"]["identical"]), r["l1"]["identical"]
+    # every replica updates the top rows of the replicas' summed l1 norms (dist/replicas.py
+    # agree_scores: one all-reduce for all shape groups), not of its own
+    differs = False
+    for rank, matrices in enumerate(r["l1"]["rows"]):
+        for i, (changed, summed, own) in enumerate(matrices):
+            assert 0 < changed.sum() < changed.numel(), (rank, i)
+            assert torch.equal(changed, summed), (rank, i, changed, summed)
+            differs |= not torch.equal(summed, own)
+    assert differs  # else the check above could not tell the agreed scores from a replica's own
     assert all(r["split"]["split"]["identical"]), r["split"]["split"]["identical"]
     # split all-gathers every group's results across replicas; repeat only the whole-matrix stack's
     # (a matrix whole on each shard, as under DDP, always splits its NS over the replicas)

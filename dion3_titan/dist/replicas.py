@@ -37,15 +37,6 @@ class ReplicaSplit:
         self.own = self.counts[rank]
         self.stats = stats
 
-    def agree(self, scores: torch.Tensor) -> torch.Tensor:
-        """Row scores every replica agrees on: the sum over replicas of each one's own (the
-        compressed sync's l1 selection scores rows by the summed l1 norms of the replicas'
-        momenta, a proxy for the l1 norms of their mean, so that every replica selects alike)."""
-        out = scores.contiguous().clone()
-        dist.all_reduce(out, group=self.group)
-        self.stats.add(all_reduce_bytes(out.numel(), self.size, out.element_size()), LINK)
-        return out
-
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """This replica's share of the owned batch x (n, K, C): the mean over replicas of their
         batches' share (one all-to-all: each replica receives the others' copies of its share
@@ -72,6 +63,27 @@ class ReplicaSplit:
         dist.all_to_all_single(out.view(-1), send.view(-1), splits, [self.own * per] * self.size, group=self.group)
         self.stats.add(all_to_all_bytes(splits, self.rank, result.element_size()), LINK)
         return out
+
+
+def agree_scores(scores: list[tuple[ReplicaSplit, torch.Tensor]]) -> list[torch.Tensor]:
+    """Row scores every replica agrees on, for several shape groups at once: each the sum over
+    replicas of each one's own (the compressed sync's l1 selection scores rows by the summed l1
+    norms of the replicas' momenta, a proxy for the l1 norms of their mean, so that every replica
+    selects alike). One all-reduce per replica group for all of a step's shape groups: at many
+    nodes each is a latency across the network. Every rank passes its groups in the same order."""
+    out: list[torch.Tensor | None] = [None] * len(scores)
+    by_group: dict[str, list[int]] = {}  # by group name: a mesh may hand out distinct handles
+    for i, (split, _) in enumerate(scores):
+        by_group.setdefault(split.group.group_name, []).append(i)
+    for idx in by_group.values():
+        split = scores[idx[0]][0]
+        parts = [scores[i][1] for i in idx]
+        buf = torch.cat([p.reshape(-1) for p in parts])
+        dist.all_reduce(buf, group=split.group)
+        split.stats.add(all_reduce_bytes(buf.numel(), split.size, buf.element_size()), LINK)
+        for i, part in zip(idx, buf.split([p.numel() for p in parts])):
+            out[i] = part.view(scores[i][1].shape)
+    return out  # type: ignore[return-value]
 
 
 def replicate_dims(t: torch.Tensor) -> list[int]:

@@ -347,8 +347,12 @@ class Dion3(torch.optim.Optimizer):
         def pipeline(lane: list[ShapeGroup], account: Callable[[Outcome], None], aside: Aside | None = None) -> None:
             steps = [self._group_step(sg) for sg in lane]
             stats = self._accumulate(steps, moving, factors)
+            l1 = {key: s.l1 for key, s in stats.items()}
+            if self.replicate_sync == "compressed":  # the replicas agree on every group's scores at once
+                l1 |= self.selector.agreed_l1([(g.sg, g.cfg, g.momenta, l1.get(id(g.sg))) for g in steps])
             for g in steps:
-                account(self._step_group(g, stats.get(id(g.sg)), factors[g.sg.group_index], aside))
+                key = id(g.sg)
+                account(self._step_group(g, stats.get(key), l1.get(key), factors[g.sg.group_index], aside))
 
         device = self._device()
         key = (tuple(id(sg) for sg in groups), self._state_version)  # settings change with the state
@@ -364,15 +368,20 @@ class Dion3(torch.optim.Optimizer):
         return sg.batch * ns_flops(sg.k, sg.cols, cfg.ns_algorithm, cfg.ns_steps, cfg.ns_restarts, symmetric=True)
 
     def _step_group(
-        self, g: GroupStep, stats: RowStats | None, factors: Factors, aside: Aside | None = None
+        self,
+        g: GroupStep,
+        stats: RowStats | None,
+        l1: torch.Tensor | None,
+        factors: Factors,
+        aside: Aside | None = None,
     ) -> Outcome:
         """Stages 2-8 of one shape group; returns what the step's counters take from it.
-        ``aside``: takes work that needs nothing past the selection, to run beside the rest
-        (optim/overlap.py): here the weight decay of the rows not selected."""
+        ``l1``: its rows' selection scores where known (the accumulate's, or the replicas'
+        agreed ones). ``aside``: takes work that needs nothing past the selection, to run beside
+        the rest (optim/overlap.py): here the weight decay of the rows not selected."""
         sg = g.sg
-        stages, moves, replicas = self._stages(sg), sg.moves_data, sg.replicas
-        agree = replicas.agree if replicas is not None and replicas.mean else None  # compressed sync
-        sel = self.selector.select(sg, g.cfg, g.momenta, None if stats is None else stats.l1, agree)  # 2. select
+        stages, moves = self._stages(sg), sg.moves_data
+        sel = self.selector.select(sg, g.cfg, g.momenta, l1)  # 2. select
         rest_decayed = aside is not None and stages.splits_decay(sel, factors)
         if rest_decayed:
             aside(lambda: stages.decay_unselected(g, sel, factors))

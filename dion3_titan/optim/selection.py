@@ -16,6 +16,7 @@ import torch
 from dion3_titan.dist.comm import CommStats, full_row_scores
 from dion3_titan.dist.layout import to_local
 from dion3_titan.dist.plan import Member, ShapeGroup
+from dion3_titan.dist.replicas import agree_scores
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.update import l1_scores, top_rows, top_rows_global
 
@@ -45,6 +46,13 @@ def every_row(sg: ShapeGroup, cfg: Dion3Config) -> bool:
     if sg.selected < sg.local_rows:
         return False
     return cfg.selection_scope == "local" or sg.global_k >= sum(sg.block_rows)
+
+
+def _scored_across_replicas(sg: ShapeGroup, cfg: Dion3Config) -> bool:
+    """Whether the replicas must agree on this group's l1 scores: under compressed sync they
+    hold different momenta, and a selection of every row needs no scores."""
+    split = sg.replicas
+    return split is not None and split.mean and cfg.selection == "l1" and not every_row(sg, cfg)
 
 
 def is_tall(sg: ShapeGroup, cfg: Dion3Config) -> bool:
@@ -85,17 +93,24 @@ class RowSelector:
             self._seeds[gi] = cfg.seed * 1_000_003 + step
             group["selection_step"] = step + 1
 
+    def agreed_l1(
+        self, groups: list[tuple[ShapeGroup, Dion3Config, list[torch.Tensor], torch.Tensor | None]]
+    ) -> dict[int, torch.Tensor]:
+        """Compressed sync across replicas: the l1 scores of the shape groups that select by
+        them, the same on every replica (their sum over the replicas), by id(group), in one
+        collective per replica group for all of them (dist/replicas.py). ``groups``: (group,
+        its settings, its members' momentum views, its rows' l1 norms when already known)."""
+        scored = [(sg, views, l1) for sg, cfg, views, l1 in groups if _scored_across_replicas(sg, cfg)]
+        local = [l1 if l1 is not None else torch.cat([l1_scores(v) for v in views]) for _, views, l1 in scored]
+        agreed = agree_scores([(sg.replicas, scores) for (sg, _, _), scores in zip(scored, local)])
+        return {id(sg): scores for (sg, _, _), scores in zip(scored, agreed)}
+
     def select(
-        self,
-        sg: ShapeGroup,
-        cfg: Dion3Config,
-        views: list[torch.Tensor],
-        l1: torch.Tensor | None = None,
-        agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor], l1: torch.Tensor | None = None
     ) -> Selection:
         """The rows of ``views`` (each member's local (B, R, C) momentum) to orthogonalize.
-        ``l1``: the rows' l1 norms (N, R) when already known. ``agree``: makes local l1 scores
-        the same on every rank that must select alike (compressed sync across replicas)."""
+        ``l1``: the rows' l1 norms (N, R) when already known (under compressed sync the agreed
+        ones: ``agreed_l1``)."""
         device = views[0].device
         if every_row(sg, cfg):
             rows = self._const(
@@ -107,8 +122,6 @@ class RowSelector:
             scores = self._random_scores(sg, (sg.batch, n_rb, r_max), device)
         else:
             local = l1 if l1 is not None else torch.cat([l1_scores(v) for v in views])
-            if agree is not None:
-                local = agree(local)
             if sg.col_blocks > 1 or (cfg.selection_scope == "global" and n_rb > 1):
                 local = torch.nn.functional.pad(local, (0, r_max - sg.local_rows))
                 scores = full_row_scores(sg.exchange, local, self.comm_stats)
