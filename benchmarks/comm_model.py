@@ -128,14 +128,18 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
     ns = cfg.compute_dtype.itemsize  # results cross replicas as Newton-Schulz returns them
     extra = 1 if FLAVORS[cfg.flavor].row_data else 0
     compressed = sync.mode == "compressed"
-    scored = [g for g in plans if not every_row(g, s, cfg)] if compressed and cfg.selection == "l1" else []
-    if scored:  # the replicas agree on every shape group's scores in one all-reduce
+    # l1 scores: one collective per step for all shape groups (optim/selection.py RowSelector.scores)
+    scored = [g for g in plans if not every_row(g, s, cfg)] if cfg.selection == "l1" else []
+    if compressed and scored:  # the replicas agree on the scores
         numel = sum(g.batch[s] * g.layouts[s].local_rows for g in scored)
         rec.ring("optimizer", "scores all-reduce", "replicate", all_reduce_bytes(numel, R, FP32))
+    tabled = [g for g in scored if g.sharded and (g.n_cb > 1 or (cfg.selection_scope == "global" and g.n_rb > 1))]
+    if tabled:  # the shards' partial scores, or every row block's
+        numel = sum(g.batch[s] * max(g.block_rows) for g in tabled)
+        rec.ring("optimizer", "scores all-gather", "shard", all_gather_bytes(numel, mesh.shards, FP32))
     for g in plans:
         k, n = g.k[s], g.batch[s]
         mom = g.dtype.itemsize  # momentum rows travel in the momentum's (the parameter's) dtype
-        every = every_row(g, s, cfg)
         if not g.sharded:  # whole on every shard rank
             if compressed:
                 _replica_split(rec, n, k * g.cols[s], r, mom, ns)
@@ -150,10 +154,6 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
                 )
                 rec.step.ns_flops += (share if R > 1 else n) * _cost(k, g.cols[s], cfg)
             continue
-        if not every and (g.n_cb > 1 or (cfg.selection_scope == "global" and g.n_rb > 1)):
-            rec.ring(
-                "optimizer", "scores all-gather", "shard", all_gather_bytes(n * max(g.block_rows), mesh.shards, FP32)
-            )
         block = k * (g.cols[s] + extra)
         counts = [g.owners.count(q) for q in range(mesh.shards)]
         rec.all_to_all("optimizer", "rows gather (all-to-all)", [counts[s] * block] * mesh.shards, mom)

@@ -221,15 +221,27 @@ class ReplicatedExchange(Exchange):
         return out[..., :-1], out[..., -1]
 
 
-def full_row_scores(exchange: Exchange, local: torch.Tensor, stats: CommStats) -> torch.Tensor:
-    """Row scores of every row block: local (N, R_max) partial sums over this rank's columns
-    -> (N, n_row_blocks, R_max) summed over column blocks, with one ``all_gather`` (only
-    needed for column-sharded matrices or global selection)."""
-    if not isinstance(exchange, ShardedExchange):
-        return local.unsqueeze(1)
-    out = local.new_empty(exchange.size * local.shape[0], *local.shape[1:])
-    all_gather_into(out, local.contiguous(), group=exchange.group)
-    stats.add(all_gather_bytes(local.numel(), exchange.size, out.element_size()))
-    out = out.view(exchange.size, *local.shape)
-    grid = out.index_select(0, exchange.grid.to(out.device)).view(exchange.n_rb, exchange.n_cb, *local.shape)
-    return grid.sum(dim=1).transpose(0, 1)
+def full_row_scores(parts: list[tuple[Exchange, torch.Tensor]], stats: CommStats) -> list[torch.Tensor]:
+    """Row scores of every row block, for several shape groups: each (exchange, local) with
+    local (N, R_max) partial sums over this rank's columns -> (N, n_row_blocks, R_max) summed
+    over column blocks. One ``all_gather`` per shard group for all of the groups (only needed
+    for column-sharded matrices or global selection). Every rank passes its groups in the same
+    order."""
+    out: list[torch.Tensor | None] = [None] * len(parts)
+    by_group: dict[str, list[int]] = {}
+    for i, (exchange, local) in enumerate(parts):
+        if isinstance(exchange, ShardedExchange):
+            by_group.setdefault(exchange.group.group_name, []).append(i)
+        else:
+            out[i] = local.unsqueeze(1)
+    for idx in by_group.values():
+        group, size = parts[idx[0]][0].group, parts[idx[0]][0].size
+        flat = torch.cat([parts[i][1].reshape(-1) for i in idx])
+        gathered = flat.new_empty(size * flat.numel())
+        all_gather_into(gathered, flat, group=group)
+        stats.add(all_gather_bytes(flat.numel(), size, flat.element_size()))
+        for i, chunk in zip(idx, gathered.view(size, -1).split([parts[i][1].numel() for i in idx], dim=1)):
+            exchange, local = parts[i]
+            grid = chunk.reshape(size, *local.shape).index_select(0, exchange.grid.to(chunk.device))
+            out[i] = grid.view(exchange.n_rb, exchange.n_cb, *local.shape).sum(dim=1).transpose(0, 1)
+    return out  # type: ignore[return-value]

@@ -347,12 +347,11 @@ class Dion3(torch.optim.Optimizer):
         def pipeline(lane: list[ShapeGroup], account: Callable[[Outcome], None], aside: Aside | None = None) -> None:
             steps = [self._group_step(sg) for sg in lane]
             stats = self._accumulate(steps, moving, factors)
-            l1 = {key: s.l1 for key, s in stats.items()}
-            if self.replicate_sync == "compressed":  # the replicas agree on every group's scores at once
-                l1 |= self.selector.agreed_l1([(g.sg, g.cfg, g.momenta, l1.get(id(g.sg))) for g in steps])
+            known = {key: s.l1 for key, s in stats.items()}
+            scores = self.selector.scores([(g.sg, g.cfg, g.momenta, known.get(id(g.sg))) for g in steps])
             for g in steps:
                 key = id(g.sg)
-                account(self._step_group(g, stats.get(key), l1.get(key), factors[g.sg.group_index], aside))
+                account(self._step_group(g, stats.get(key), scores.get(key), factors[g.sg.group_index], aside))
 
         device = self._device()
         key = (tuple(id(sg) for sg in groups), self._state_version)  # settings change with the state
@@ -371,17 +370,17 @@ class Dion3(torch.optim.Optimizer):
         self,
         g: GroupStep,
         stats: RowStats | None,
-        l1: torch.Tensor | None,
+        scores: torch.Tensor | None,
         factors: Factors,
         aside: Aside | None = None,
     ) -> Outcome:
         """Stages 2-8 of one shape group; returns what the step's counters take from it.
-        ``l1``: its rows' selection scores where known (the accumulate's, or the replicas'
-        agreed ones). ``aside``: takes work that needs nothing past the selection, to run beside
-        the rest (optim/overlap.py): here the weight decay of the rows not selected."""
+        ``scores``: its rows' selection scores (``RowSelector.scores``, made for all groups at
+        once). ``aside``: takes work that needs nothing past the selection, to run beside the
+        rest (optim/overlap.py): here the weight decay of the rows not selected."""
         sg = g.sg
         stages, moves = self._stages(sg), sg.moves_data
-        sel = self.selector.select(sg, g.cfg, g.momenta, l1)  # 2. select
+        sel = self.selector.select(sg, g.cfg, g.momenta, scores)  # 2. select
         rest_decayed = aside is not None and stages.splits_decay(sel, factors)
         if rest_decayed:
             aside(lambda: stages.decay_unselected(g, sel, factors))

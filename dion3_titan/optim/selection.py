@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.functional import pad
 
 from dion3_titan.dist.comm import CommStats, full_row_scores
 from dion3_titan.dist.layout import to_local
@@ -48,11 +49,10 @@ def every_row(sg: ShapeGroup, cfg: Dion3Config) -> bool:
     return cfg.selection_scope == "local" or sg.global_k >= sum(sg.block_rows)
 
 
-def _scored_across_replicas(sg: ShapeGroup, cfg: Dion3Config) -> bool:
-    """Whether the replicas must agree on this group's l1 scores: under compressed sync they
-    hold different momenta, and a selection of every row needs no scores."""
-    split = sg.replicas
-    return split is not None and split.mean and cfg.selection == "l1" and not every_row(sg, cfg)
+def _scored_across_shards(sg: ShapeGroup, cfg: Dion3Config) -> bool:
+    """Whether a group's row scores need the other shards' (an all-gather): its columns are
+    sharded (each rank holds partial row sums), or global scope picks over all row blocks."""
+    return sg.col_blocks > 1 or (cfg.selection_scope == "global" and len(sg.block_rows) > 1)
 
 
 def is_tall(sg: ShapeGroup, cfg: Dion3Config) -> bool:
@@ -93,45 +93,56 @@ class RowSelector:
             self._seeds[gi] = cfg.seed * 1_000_003 + step
             group["selection_step"] = step + 1
 
-    def agreed_l1(
+    def scores(
         self, groups: list[tuple[ShapeGroup, Dion3Config, list[torch.Tensor], torch.Tensor | None]]
     ) -> dict[int, torch.Tensor]:
-        """Compressed sync across replicas: the l1 scores of the shape groups that select by
-        them, the same on every replica (their sum over the replicas), by id(group), in one
-        collective per replica group for all of them (dist/replicas.py). ``groups``: (group,
-        its settings, its members' momentum views, its rows' l1 norms when already known)."""
-        scored = [(sg, views, l1) for sg, cfg, views, l1 in groups if _scored_across_replicas(sg, cfg)]
-        local = [l1 if l1 is not None else torch.cat([l1_scores(v) for v in views]) for _, views, l1 in scored]
-        agreed = agree_scores([(sg.replicas, scores) for (sg, _, _), scores in zip(scored, local)])
-        return {id(sg): scores for (sg, _, _), scores in zip(scored, agreed)}
+        """The l1 scores of a step's shape groups that select by them, by id(group), with their
+        collectives batched over the groups: across HSDP replicas under compressed sync (the
+        replicas hold different momenta: each row scores the sum over replicas of their l1
+        norms, so that all select alike) one all-reduce per replica group; where a group's rows
+        are scored across its shard group (columns sharded, or global scope) one all-gather per
+        shard group. At many nodes each collective is a network latency, once per step instead
+        of once per distinct matrix shape. ``groups``: (group, its settings, its members'
+        momentum views, its rows' l1 norms when already known). Each entry is the group's local
+        scores (N, R), or its score table (N, n_row_blocks, R_max) where scored across shards.
+        Every rank passes its groups in the same order."""
+        scored = [
+            (sg, cfg, l1 if l1 is not None else torch.cat([l1_scores(v) for v in views]))
+            for sg, cfg, views, l1 in groups
+            if cfg.selection == "l1" and not every_row(sg, cfg)
+        ]
+        out = {id(sg): local for sg, _, local in scored}
+        agreeing = [sg for sg, _, _ in scored if sg.replicas is not None and sg.replicas.mean]
+        agreed = agree_scores([(sg.replicas, out[id(sg)]) for sg in agreeing])
+        out.update((id(sg), scores) for sg, scores in zip(agreeing, agreed))
+        tabled = [(sg, out[id(sg)]) for sg, cfg, _ in scored if _scored_across_shards(sg, cfg)]
+        padded = [(sg.exchange, pad(local, (0, max(sg.block_rows) - sg.local_rows))) for sg, local in tabled]
+        for (sg, _), table in zip(tabled, full_row_scores(padded, self.comm_stats)):
+            out[id(sg)] = table
+        return out
 
     def select(
-        self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor], l1: torch.Tensor | None = None
+        self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor], scores: torch.Tensor | None = None
     ) -> Selection:
         """The rows of ``views`` (each member's local (B, R, C) momentum) to orthogonalize.
-        ``l1``: the rows' l1 norms (N, R) when already known (under compressed sync the agreed
-        ones: ``agreed_l1``)."""
+        ``scores``: the group's entry of ``scores`` (l1 selection; made here when not given)."""
         device = views[0].device
         if every_row(sg, cfg):
             rows = self._const(
                 ("all_rows", id(sg)), lambda: torch.arange(sg.local_rows, device=device).expand(sg.batch, -1)
             )
             return Selection(rows, None, True)
-        n_rb, r_max = len(sg.block_rows), max(sg.block_rows)
         if cfg.selection == "random":  # same draws on every rank: a global score table
-            scores = self._random_scores(sg, (sg.batch, n_rb, r_max), device)
+            table = self._random_scores(sg, (sg.batch, len(sg.block_rows), max(sg.block_rows)), device)
         else:
-            local = l1 if l1 is not None else torch.cat([l1_scores(v) for v in views])
-            if sg.col_blocks > 1 or (cfg.selection_scope == "global" and n_rb > 1):
-                local = torch.nn.functional.pad(local, (0, r_max - sg.local_rows))
-                scores = full_row_scores(sg.exchange, local, self.comm_stats)
-            else:
-                return Selection(top_rows(local, sg.selected), None, False)
+            table = scores if scores is not None else self.scores([(sg, cfg, views, None)])[id(sg)]
+            if not _scored_across_shards(sg, cfg):
+                return Selection(top_rows(table, sg.selected), None, False)
         if cfg.selection_scope == "global":
             block_rows = self._const(("block_rows", id(sg)), lambda: torch.tensor(sg.block_rows, device=device))
-            rows, valid = top_rows_global(scores, block_rows, sg.row_block, sg.local_rows, sg.global_k, sg.selected)
+            rows, valid = top_rows_global(table, block_rows, sg.row_block, sg.local_rows, sg.global_k, sg.selected)
             return Selection(rows, valid, False)
-        return Selection(top_rows(scores[:, sg.row_block, : sg.local_rows], sg.selected), None, False)
+        return Selection(top_rows(table[:, sg.row_block, : sg.local_rows], sg.selected), None, False)
 
     def _const(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         if key not in self._consts:
