@@ -66,7 +66,7 @@ STAGES = {  # (module, qualified name) of what one eager step calls, timed on th
         "Dion3._step_factors",
         "Dion3.load_hyperparameters",
     ],
-    "dion3_titan.optim.selection": ["RowSelector.select", "RowSelector.seed"],
+    "dion3_titan.optim.selection": ["RowSelector.scores", "RowSelector.select", "RowSelector.seed"],
     "dion3_titan.optim.stages_engine": ["RowEngineStages.pack", "RowEngineStages.normalize", "RowEngineStages.update"],
     "dion3_titan.optim.observe": ["Observer.record"],
 }
