@@ -228,10 +228,10 @@ def full_row_scores(parts: list[tuple[Exchange, torch.Tensor]], stats: CommStats
     for column-sharded matrices or global selection). Every rank passes its groups in the same
     order."""
     out: list[torch.Tensor | None] = [None] * len(parts)
-    by_group: dict[str, list[int]] = {}
+    by_group: dict[tuple, list[int]] = {}
     for i, (exchange, local) in enumerate(parts):
         if isinstance(exchange, ShardedExchange):
-            by_group.setdefault(exchange.group.group_name, []).append(i)
+            by_group.setdefault((exchange.group.group_name, local.dtype), []).append(i)
         else:
             out[i] = local.unsqueeze(1)
     for idx in by_group.values():

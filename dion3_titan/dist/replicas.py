@@ -72,9 +72,9 @@ def agree_scores(scores: list[tuple[ReplicaSplit, torch.Tensor]]) -> list[torch.
     selects alike). One all-reduce per replica group for all of a step's shape groups: at many
     nodes each is a latency across the network. Every rank passes its groups in the same order."""
     out: list[torch.Tensor | None] = [None] * len(scores)
-    by_group: dict[str, list[int]] = {}  # by group name: a mesh may hand out distinct handles
-    for i, (split, _) in enumerate(scores):
-        by_group.setdefault(split.group.group_name, []).append(i)
+    by_group: dict[tuple, list[int]] = {}  # by group name (a mesh may hand out distinct handles), dtype
+    for i, (split, local) in enumerate(scores):
+        by_group.setdefault((split.group.group_name, local.dtype), []).append(i)
     for idx in by_group.values():
         split = scores[idx[0]][0]
         parts = [scores[i][1] for i in idx]
