@@ -179,9 +179,9 @@ def _l1_rows(mesh) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
 
 
 def _variants_worker(rank, world, out):
-    mesh = _mesh()
     import torch.distributed as dist
 
+    mesh = _mesh()
     l1 = _run(mesh, {"fraction": 0.25, "flavor": "normuon"}, "compressed")
     rows = _l1_rows(mesh)
     split = {}

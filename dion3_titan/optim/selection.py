@@ -125,7 +125,7 @@ class RowSelector:
         self, sg: ShapeGroup, cfg: Dion3Config, views: list[torch.Tensor], scores: torch.Tensor | None = None
     ) -> Selection:
         """The rows of ``views`` (each member's local (B, R, C) momentum) to orthogonalize.
-        ``scores``: the group's entry of ``scores`` (l1 selection; made here when not given)."""
+        ``scores``: the group's entry of ``scores`` (l1 selection of some rows; else None)."""
         device = views[0].device
         if every_row(sg, cfg):
             rows = self._const(
@@ -135,7 +135,7 @@ class RowSelector:
         if cfg.selection == "random":  # same draws on every rank: a global score table
             table = self._random_scores(sg, (sg.batch, len(sg.block_rows), max(sg.block_rows)), device)
         else:
-            table = scores if scores is not None else self.scores([(sg, cfg, views, None)])[id(sg)]
+            table = scores
             if not _scored_across_shards(sg, cfg):
                 return Selection(top_rows(table, sg.selected), None, False)
         if cfg.selection_scope == "global":
