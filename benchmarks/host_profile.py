@@ -62,6 +62,7 @@ STAGES = {  # (module, qualified name) of what one eager step calls, timed on th
         "Dion3._adamw_step",
         "Dion3._accumulate",
         "Dion3._orthogonalize",
+        "Dion3._checked",
         "Dion3._group_step",
         "Dion3._step_factors",
         "Dion3.load_hyperparameters",

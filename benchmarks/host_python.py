@@ -46,12 +46,13 @@ from dion3_titan.kernels import cute_symm, dispatch, row_engine, triton_mm, trit
 from dion3_titan.kernels.backend import Backend  # noqa: E402
 from dion3_titan.kernels.torch_ops import TorchOps  # noqa: E402
 from dion3_titan.optim.config import Dion3Config  # noqa: E402
-from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize  # noqa: E402
+from dion3_titan.optim.orthogonalize import NSSettings, ResultCheck, orthogonalize  # noqa: E402
 from dion3_titan.optim.routing import build_param_groups  # noqa: E402
 
 
 class _ZeroNS(Dion3):
-    """Dion3 whose Newton-Schulz hands back zeros (one buffer per shape, kept)."""
+    """Dion3 whose Newton-Schulz hands back zeros (one buffer per shape, kept), with no flags
+    from its last product (so the stages' result check runs as where the backend has none)."""
 
     def __init__(self, *args, **kwargs) -> None:
         self._zero_batches: dict[tuple, torch.Tensor] = {}
@@ -61,7 +62,7 @@ class _ZeroNS(Dion3):
         key = (tuple(owned.shape), g.ns.dtype)
         if key not in self._zero_batches:
             self._zero_batches[key] = torch.zeros(owned.shape, dtype=g.ns.dtype)
-        return self._zero_batches[key]
+        return self._zero_batches[key], None
 
 
 @contextlib.contextmanager
@@ -126,7 +127,8 @@ def ns_batches(shape: ModelShape, fraction: float, preference: str) -> list[tupl
 
 
 def time_ns(shape: ModelShape, fraction: float, preference: str, steps: int, rounds: int) -> None:
-    """Print the host ms of one step's Newton-Schulz (every batch once), products stubbed."""
+    """Print the host ms of one step's Newton-Schulz (every batch once), products stubbed; the
+    last product checked, as the step asks for it."""
     _keep_freed_memory()
     settings = NSSettings.from_config(Dion3Config())
     with products_stubbed():
@@ -134,7 +136,7 @@ def time_ns(shape: ModelShape, fraction: float, preference: str, steps: int, rou
 
         def step() -> None:
             for x, tall, backend in batches:
-                orthogonalize(x, settings, backend, tall, normalized=True)
+                orthogonalize(x, settings, backend, tall, normalized=True, check=ResultCheck())  # as the step
 
         for _ in range(3):
             step()
@@ -148,7 +150,7 @@ def time_ns(shape: ModelShape, fraction: float, preference: str, steps: int, rou
         for x, tall, backend in batches:
             t0 = time.perf_counter()
             for _ in range(steps):
-                orthogonalize(x, settings, backend, tall, normalized=True)
+                orthogonalize(x, settings, backend, tall, normalized=True, check=ResultCheck())  # as the step
             per_batch.append(((time.perf_counter() - t0) * 1e3 / steps, x, tall, backend))
     print(
         f"Newton-Schulz of {len(batches)} batches, f={fraction:g}: host ms per step (products stubbed) "

@@ -7,7 +7,8 @@ fails here, in CI, instead of on the next GPU run. The structure checked is what
 speed rests on (kernels/cute_symm.py's docstring): wgmma tensor-core products, TMA loads
 into shared memory, an epilogue that writes each tile and its transpose through shared memory
 (``stmatrix`` and ``stmatrix.trans``) and leaves by TMA stores only, never by per-thread global
-stores, and the producer/consumer register split. CI installs CuteDSL (scripts/setup_env.sh on a
+stores (but the flag of the general mode's finiteness check), and the producer/consumer
+register split. CI installs CuteDSL (scripts/setup_env.sh on a
 machine without a GPU); elsewhere the test skips when it is missing, and fails under CI=true.
 """
 
@@ -27,14 +28,27 @@ ROOT = Path(__file__).resolve().parents[1]
 # diagonal mirror; without it for the operand layouts of the products that leave it out (X X^T:
 # both k-major; A A: A k-major, A^T n-major), in fp16.
 CONFIGS = [
-    (*config, True, False)
+    (*config, True, False, False)
     for config in itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True], [False, True])
 ] + [
-    ("Float16", "k", b, has_c, pair, False, general)
+    ("Float16", "k", b, has_c, pair, False, general, False)
     for b in ("k", "n")
     for has_c in (False, True)
     for pair in (False, True)
     for general in (False, True)
+]
+# The general mode with the finiteness check in its epilogue (``gemm``'s flags), on the operands
+# of Newton-Schulz's last product: X <- a X + B X (with C), Q X (A = Q), X^T Q of a tall batch
+# (A = X^T, n-major after a restart).
+CONFIGS += [
+    (dtype, a, "n", has_c, pair, False, True, True)
+    for dtype, a, has_c in [
+        ("Float16", "k", True),
+        ("Float16", "k", False),
+        ("Float16", "n", False),
+        ("BFloat16", "k", True),
+    ]
+    for pair in (False, True)
 ]
 
 # Compiles each configuration in a fresh process (CuteDSL reads its environment at import) and
@@ -52,18 +66,19 @@ INSTRUCTIONS = {
     "stmatrix": r"stmatrix\.sync\.aligned\.m8n8\.x4\.(?:shared\.)?b16",
     "stmatrix_trans": r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans\.(?:shared\.)?b16",
     "global_store": r"\bst\.global\.",
+    "nan_max": r"max\.NaN\.f32",
     "setmaxnreg": r"setmaxnreg\.(?:inc|dec)\.",
     "scalar_shared_store": r"st\.shared(?:::cta)?\.(?:u16|b16)",
     "vector_shared_store": r"st\.shared(?:::cta)?\.v4\.b32",
 }
 found = {}
-for dtype, a_major, b_major, has_c, pair, mirror, general in json.loads(sys.argv[1]):
+for dtype, a_major, b_major, has_c, pair, mirror, general, check in json.loads(sys.argv[1]):
     stages = cute_symm.PAIR_STAGES if pair else cute_symm.STAGES
-    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror, general).artifacts.PTX
+    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror, general, check).artifacts.PTX
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
     wgmma = INSTRUCTIONS["wgmma_wide" if pair else "wgmma"]
     counts["wgmma_types"] = sorted(set(re.findall(wgmma, ptx)))
-    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general}"] = counts
+    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general},{check}"] = counts
 print("PTX " + json.dumps(found))
 """
 
@@ -102,6 +117,7 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
     for config, counts in found.items():
         fields = config.split(",")
         dtype, pair, mirror, general = fields[0], fields[4] == "True", fields[5] == "True", fields[6] == "True"
+        check = fields[7] == "True"
         expect_type = {"Float16": "f16", "BFloat16": "bf16"}[dtype]
         assert counts["wgmma_types"] == [expect_type], (config, counts)
         # the pair form: 64 x 256 products per warpgroup, B's panel loaded once for both CTAs
@@ -114,7 +130,10 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
             assert counts["stmatrix_trans"] == 0, (config, counts)
         if not pair:
             assert counts["wgmma_wide"] == counts["multicast"] == 0, (config, counts)
-        assert counts["global_store"] == 0, f"{config}: the epilogue stores to global memory per thread ({counts})"
+        # the tile leaves by TMA; a thread stores to global memory only to flag a non-finite
+        # block (the check: a NaN-propagating max of the block's values), once per block
+        assert counts["global_store"] == (2 if pair else 1) * check, f"{config}: per-thread global stores ({counts})"
+        assert (counts["nan_max"] > 0) == check, f"{config}: the check's max ({counts})"
         # the diagonal mirror is the kernel's only thread-wise shared-memory store, 16 bytes wide
         assert counts["scalar_shared_store"] == 0, f"{config}: element-wise shared-memory stores ({counts})"
         assert (counts["vector_shared_store"] > 0) == mirror, f"{config}: mirror {mirror} ({counts})"

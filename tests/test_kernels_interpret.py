@@ -158,6 +158,7 @@ def _run_checks(seed: int) -> list[dict]:
                     )
     x = torch.randn(1, 40, 32).half()
     results.append({"check": "mm_declines", "case": "M=40", "ok": triton_mm.mm_tma(x, x.mT, config=mm_config) is None})
+    results += _flag_checks(triton_mm)
     # persistent kernels on fewer programs than SMs (tma.leave_sms, the overlapped step's NS
     # stream): every tile once, the same bits; interpreted, a CPU "device" has 4 SMs
     from dion3_titan.kernels.tma import grid_sms, leave_sms
@@ -240,6 +241,8 @@ def _run_checks(seed: int) -> list[dict]:
             }
         )
 
+    results += _result_check_checks(triton_ops, fp16)
+
     # Newton-Schulz's input: the Triton backend's one-pass normalization (the row engine's
     # gather) against the reference's division, bit for bit, in the same memory order, zero rows
     # appended; contiguous and transposed inputs, three input dtypes
@@ -272,6 +275,84 @@ def _run_checks(seed: int) -> list[dict]:
         }
     )
     return results
+
+
+def _flag_checks(triton_mm) -> list[dict]:
+    """``mm_tma``'s flags: set for exactly the matrices whose rounded result holds a NaN or inf
+    (a NaN in C, a product that overflows the dtype, an inf in A), never cleared, and the
+    result the same bits as without the check."""
+    import torch
+
+    out = []
+    L, M, K, N = 4, 32, 48, 64
+    huge = {torch.float16: 4e4, torch.bfloat16: 3e38}
+    for cfg in [(16, 32, 16, 2, 4, 2), (16, 32, 16, 2, 4, 2, True, True)]:
+        for dtype in (torch.float16, torch.bfloat16):
+            a, b, c = (torch.randn(*s).to(dtype) for s in [(L, M, K), (L, K, N), (L, M, N)])
+            b[:, :, :7] = b[:, :, :7].abs() + 1  # room for a product that overflows
+            poisoned = {"nan_in_c": 1, "inf_in_a": 2, "overflow": 3}
+            c[1, 5, 40] = float("nan")
+            a[2, 17, 3] = float("inf")
+            a[3, 30, :] = huge[dtype]  # finite in float32, beyond the dtype once rounded
+            for name, with_c in (("with_c", True), ("without_c", False)):
+                args = (a, b, c if with_c else None, 1.0, 0.5 if with_c else 0.0)
+                flags = torch.zeros(L, dtype=torch.int32)
+                flags[0] = 7 if name == "with_c" else 0  # a flag already set stays set
+                got = triton_mm.mm_tma(*args, config=cfg, flags=flags)
+                plain = triton_mm.mm_tma(*args, config=cfg)
+                want = (~torch.isfinite(plain).flatten(1).all(1)).int()
+                if name == "with_c":
+                    want[0] = 7
+                out.append(
+                    {
+                        "check": "mm_flags",
+                        "case": f"{dtype},{name},{cfg}",
+                        "flags": flags.tolist(),
+                        "want": want.tolist(),
+                        "poisoned_flagged": all(want[i] == 1 for k, i in poisoned.items() if with_c or k != "nan_in_c"),
+                        "same_bits": got is not None and torch.equal(got.nan_to_num(), plain.nan_to_num()),
+                    }
+                )
+    return out
+
+
+def _result_check_checks(triton_ops, settings) -> list[dict]:
+    """``ResultCheck`` through the Triton backend with its TMA GEMM switched on for the last
+    product: standard and Gram NS (wide, and tall with its result in rows' order) flag exactly
+    the matrices whose result is not finite, and give the bits of the unchecked call."""
+    import dataclasses
+
+    import torch
+
+    from dion3_titan.kernels import triton_mm
+    from dion3_titan.optim.nonfinite import nonfinite_matrices
+    from dion3_titan.optim.orthogonalize import ResultCheck, orthogonalize
+
+    small = triton_mm.Config(16, 32, 16, 2, 4, 2)
+    saved = triton_mm.MM_CONFIG, triton_mm.MM_ADD_CONFIG, triton_mm.MM_ADD_MIN_TILES_PER_SM
+    triton_mm.MM_CONFIG, triton_mm.MM_ADD_CONFIG, triton_mm.MM_ADD_MIN_TILES_PER_SM = small, small, 0
+    out = []
+    try:
+        ops = triton_ops.TritonOps()
+        for algorithm, shape in (("standard", (3, 32, 64)), ("gram", (3, 32, 96)), ("gram", (3, 96, 32))):
+            ns = dataclasses.replace(settings, algorithm=algorithm)
+            x = torch.randn(*shape)
+            x[1, 3, 5] = float("nan")  # the whole matrix's NS result is NaN
+            check = ResultCheck()
+            got = orthogonalize(x, ns, ops, check=check)
+            plain = orthogonalize(x, ns, ops)
+            out.append(
+                {
+                    "check": "result_check",
+                    "case": f"{algorithm},{shape}",
+                    "bad": None if check.bad is None else check.bad.tolist(),
+                    "want": nonfinite_matrices(plain).tolist(),
+                    "same_bits": torch.equal(got.nan_to_num(), plain.nan_to_num()) and got.stride() == plain.stride(),
+                }
+            )
+    finally:
+        triton_mm.MM_CONFIG, triton_mm.MM_ADD_CONFIG, triton_mm.MM_ADD_MIN_TILES_PER_SM = saved
+    return out
 
 
 # ---------------------------------------------------------------- pytest side (parent process)
@@ -333,6 +414,20 @@ def test_mm_tma_accuracy_and_coverage(results: list[dict]) -> None:
     ]
     assert not bad, bad
     assert all(r["ok"] for r in _of(results, "mm_declines"))
+
+
+def test_mm_tma_flags_the_nonfinite_matrices(results: list[dict]) -> None:
+    found = _of(results, "mm_flags")
+    assert len(found) == 8
+    bad = [r for r in found if not (r["flags"] == r["want"] and r["poisoned_flagged"] and r["same_bits"])]
+    assert not bad, bad
+
+
+def test_newton_schulz_last_product_flags_its_result(results: list[dict]) -> None:
+    found = _of(results, "result_check")
+    assert len(found) == 3
+    bad = [r for r in found if not (r["bad"] == r["want"] == [False, True, False] and r["same_bits"])]
+    assert not bad, bad
 
 
 def test_fused_update_matches_reference_bitwise(results: list[dict]) -> None:
@@ -626,21 +721,23 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
         ((key, args),) = launches
         assert key[:5] == ("Float16", "k", "k", True, cute_symm.PAIR_STAGES)
         assert key[5:7] == (True, mirror) and not any(key[7:])
-        a_v, b_v, c_v, out_v, table, ctas, alpha, beta = launched(args)
+        a_v, b_v, c_v, out_v, table, _, ctas, alpha, beta = launched(args)
         assert (a_v, b_v, c_v, out_v) == (view(x), view(b), view(c), view(out))
         assert table.shape == (2, 36) and ctas == 2 * min(66, 2 * 36) and (alpha, beta) == (0.5, -1.5)
     launches.clear()
     small = torch.randn(3, 1024, 64, dtype=torch.bfloat16)
     out = cute_symm.sym_gemm(small, small.mT)  # 128 x 128 tiles below PAIR_MIN_N, no C
     ((key, args),) = launches
-    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False)
-    assert launched(args)[2] == view(out) and launched(args)[5] == min(132, 3 * 36)
+    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False, False)
+    assert launched(args)[2] == view(out) and launched(args)[6] == min(132, 3 * 36)
 
     a = torch.randn(2, 2048, 512, dtype=torch.float16)
-    for b, m in ((torch.randn(2, 512, 4096, dtype=torch.float16), 4096), (torch.randn(2, 640, 512).half().mT, 640)):
+    cases = ((torch.randn(2, 512, 4096, dtype=torch.float16), 4096), (torch.randn(2, 640, 512).half().mT, 640))
+    for (b, m), check in itertools.product(cases, (False, True)):
         cc = torch.randn(2, 2048, m, dtype=torch.float16).mT.contiguous().mT  # column-major C: made row-major
         launches.clear()
-        out = cute_symm.gemm(a, b, cc, 1.0, 1.875)
+        flags = torch.zeros(2, dtype=torch.int32) if check else None
+        out = cute_symm.gemm(a, b, cc, 1.0, 1.875, flags=flags)
         ((key, args),) = launches
         pair = m % 256 == 0
         b_major = "n" if b.stride(2) == 1 else "k"  # of b^T
@@ -653,8 +750,10 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
             pair,
             False,
             True,
+            check,
         )
-        a_v, b_v, c_v, out_v, table, ctas, alpha, beta = launched(args)
+        a_v, b_v, c_v, out_v, table, flags_v, ctas, alpha, beta = launched(args)
+        assert flags_v is flags if check else flags_v.shape == (1,)  # unchecked: never written
         assert (a_v, b_v, out_v) == (view(a), view(b), view(out)) and out.shape == (2, 2048, m)
         assert c_v[1:] == view(cc.contiguous())[1:]
         cm = 2 if pair else 1
@@ -665,4 +764,7 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
     assert cute_symm.gemm(a, torch.randn(2, 512, 200, dtype=torch.float16)) is None  # m off the tile grid
     assert cute_symm.sym_gemm(torch.randn(2, 2048, 12, dtype=torch.float16), torch.randn(2, 12, 2048).half()) is None
     assert cute_symm.gemm(a[:0], torch.randn(0, 512, 256, dtype=torch.float16)) is None  # empty batch
+    b = torch.randn(2, 512, 256, dtype=torch.float16)
+    assert cute_symm.gemm(a, b, flags=torch.zeros(3, dtype=torch.int32)) is None  # a flag per matrix
+    assert cute_symm.gemm(a, b, flags=torch.zeros(2)) is None  # int32 flags
     assert not launches

@@ -199,6 +199,21 @@ class CorruptOneGram:
         return getattr(self.ops, name)
 
 
+class FlaggingCorruptOneGram(CorruptOneGram):
+    """``CorruptOneGram`` with a checked product (``Backend.mm_checked``) as a kernel's epilogue
+    would make it: the product, and a flag per matrix whose result is not finite."""
+
+    checked = 0
+
+    def mm_checked(self, a, b, c, alpha, beta, flags):
+        from dion3_titan.optim.nonfinite import nonfinite_matrices
+
+        out = self.ops.mm(a, b) if c is None else self.ops.mm_add(a, b, c, alpha, beta)
+        flags[nonfinite_matrices(out)] = 1
+        self.checked += 1
+        return out
+
+
 # The (16, 48) group at f = 1 (wide, wide2 and the 3 matrices of stack, one batch) is the only
 # one whose Gram side is 16.
 WIDE_SIDE, CORRUPTED = 16, 1

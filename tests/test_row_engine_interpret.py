@@ -605,24 +605,31 @@ def _nonfinite_checks() -> list[dict]:
 
 
 def _ns_void_checks() -> list[dict]:
-    """A Newton-Schulz result that is not finite, under the engine: NorMuon's check comes from
-    the rows' sums of squares its epilogue reads, Muon's from its own pass; either way exactly
-    that matrix only decays, every other one moves as in a clean run, and it is counted."""
+    """A Newton-Schulz result that is not finite, under the engine. The check comes from NS's
+    last product where the backend flags it there (``Backend.mm_checked``), else from the rows'
+    sums of squares (which NorMuon's epilogue reads anyway); either way exactly that matrix
+    only decays, every other one moves as in a clean run, and it is counted. ``sums``: the
+    groups whose result's rows were summed."""
+    import itertools
+
     import torch
 
     import dion3_titan.optim.dion3 as dion3_module
     from dion3_titan import Dion3
     from dion3_titan.optim import engine
     from tests.test_dion3_core import NAMES, make_params, oriented
-    from tests.test_nonfinite import CORRUPTED, WIDE_SIDE, CorruptOneGram, _build, _run
+    from tests.test_nonfinite import CORRUPTED, WIDE_SIDE, CorruptOneGram, FlaggingCorruptOneGram, _build, _run
 
     out = []
-    runs_on, select = engine.runs_on, dion3_module.select_backend
+    runs_on, select, row_sumsq = engine.runs_on, dion3_module.select_backend, engine.row_sumsq
     engine.runs_on = lambda backend, p: True
+    summed = []
+    engine.row_sumsq = lambda x: summed.append(x.shape) or row_sumsq(x)
     try:
-        for flavor in ("normuon", "muon"):
+        for flavor, corrupt_backend in itertools.product(("normuon", "muon"), (CorruptOneGram, FlaggingCorruptOneGram)):
             opts = []
-            for backend in (None, CorruptOneGram(WIDE_SIDE, CORRUPTED, 1)):
+            for backend in (None, corrupt_backend(WIDE_SIDE, CORRUPTED, 1)):
+                summed.clear()
                 dion3_module.select_backend = select if backend is None else (lambda *args, b=backend: b)
                 opt = _build(Dion3, "raise", fraction=1.0, ns_algorithm="gram", flavor=flavor)
                 _run(opt, 1, "eager", bad_step=-1)
@@ -641,14 +648,16 @@ def _ns_void_checks() -> list[dict]:
             out.append(
                 {
                     "check": "ns_void",
-                    "case": flavor,
+                    "case": f"{flavor},{corrupt_backend.__name__}",
                     "events": corrupt.nonfinite_ns_events,
                     "moved": moved,
                     "unexplained": unexplained,
+                    "sums": len(summed),
+                    "flagged": getattr(backend, "checked", 0),  # the corrupting backend's
                 }
             )
     finally:
-        engine.runs_on, dion3_module.select_backend = runs_on, select
+        engine.runs_on, dion3_module.select_backend, engine.row_sumsq = runs_on, select, row_sumsq
     return out
 
 
@@ -985,10 +994,15 @@ def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:
 
 
 def test_engine_drops_a_nonfinite_ns_result(results) -> None:
-    found = _of(results, "ns_void")
-    assert {r["case"] for r in found} == {"normuon", "muon"}
-    bad = [r for r in found if not (r["events"] == 1 and len(r["moved"]) == 1 and not r["unexplained"])]
+    found = {r["case"]: r for r in _of(results, "ns_void")}
+    assert set(found) == {f"{f},{b}" for f in ("normuon", "muon") for b in ("CorruptOneGram", "FlaggingCorruptOneGram")}
+    bad = [r for r in found.values() if not (r["events"] == 1 and len(r["moved"]) == 1 and not r["unexplained"])]
     assert not bad, bad
+    # the flagged product replaces the Muon flavor's pass over the result; NorMuon sums its
+    # rows for its epilogue either way
+    assert found["muon,FlaggingCorruptOneGram"]["sums"] == 0, found
+    assert all(found[f"{f},FlaggingCorruptOneGram"]["flagged"] > 0 for f in ("normuon", "muon")), found
+    assert found["muon,CorruptOneGram"]["sums"] > 0 and found["normuon,FlaggingCorruptOneGram"]["sums"] > 0, found
 
 
 if __name__ == "__main__":

@@ -67,6 +67,21 @@ class Backend:
         """alpha * (a @ b) + beta * c."""
         raise NotImplementedError
 
+    def mm_checked(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor | None,
+        alpha: float,
+        beta: float,
+        flags: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """alpha * (a @ b) (+ beta * c where c is given), whose kernel also sets ``flags[i]`` (an
+        (L,) int32 tensor) to 1 for each matrix i of the result holding a NaN or inf, in its
+        epilogue: no pass over the result. None where this backend has no such kernel for these
+        operands (the caller then makes the product unchecked)."""
+        return None
+
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b where the caller guarantees the product is symmetric (e.g. X @ X^T)."""
         raise NotImplementedError

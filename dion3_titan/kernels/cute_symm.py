@@ -32,7 +32,10 @@ symmetric), and both blocks of C are read before either is overwritten.
 The general mode (``gemm``: alpha A B + beta C with no symmetry, X <- a X + B X of standard
 Newton-Schulz): every tile of the (n, m) result in the same banded order, both epilogue tiles
 row-major, each 128 x 128 block stored as computed (a pair's second block, and its C, through
-the second tile).
+the second tile). Its checked variant (``gemm``'s ``flags``, Newton-Schulz's last product) also
+flags each matrix whose rounded result holds a NaN or inf: every consumer thread takes the
+NaN-propagating max of |x| over its values of a block, and one that is not below inf stores
+the flag (a plain store: every writer writes 1).
 
 Limits (the backend falls back to Triton outside them): CUDA SM90 only, n a multiple of 128,
 k a multiple of 8 and each operand with a unit stride in its n or k mode (TMA's 16-byte rule).
@@ -81,6 +84,7 @@ _C_FREE_KT = 4  # mainloop steps before the epilogue tiles are freed for C (the 
 EPI_TILE = (TILE, 32)  # the epilogue's register-to-shared strips (CUTLASS's SM90 cooperative choice)
 _CHUNK = 8  # the diagonal mirror's unit: 8 columns of a row, 16 bytes (one vector access)
 _ROW_CHUNKS = TILE // _CHUNK
+_INF = float("inf")
 
 
 def pairs(n: int) -> bool:
@@ -121,9 +125,18 @@ def _kernel_class() -> type:
 
     class SymGemmSm90:
         def __init__(
-            self, has_c: bool, stages: int = STAGES, pair: bool = False, mirror: bool = True, general: bool = False
+            self,
+            has_c: bool,
+            stages: int = STAGES,
+            pair: bool = False,
+            mirror: bool = True,
+            general: bool = False,
+            check: bool = False,
         ) -> None:
             self.has_c = has_c
+            # check (general mode): a block holding a NaN or inf once rounded sets its matrix's
+            # flag, so the caller need not read the result again to know (``gemm``'s ``flags``)
+            self.check = check and general
             # general: every tile of a (n, m) product, no symmetry (X <- a X + B X); both epilogue
             # tiles row-major, a pair's second block through the second one
             self.general = general
@@ -158,6 +171,7 @@ def _kernel_class() -> type:
             mC: cute.Tensor,  # (L, n, m), read only when has_c
             mD: cute.Tensor,  # (L, n, m) output, row-major
             tiles: cute.Tensor,  # (2, T(T+1)/2) int32: row/col of each lower cluster tile
+            flags: cute.Tensor,  # (L,) int32, written only with check
             num_ctas: cutlass.Int32,
             alpha: cutlass.Float32,
             beta: cutlass.Float32,
@@ -266,6 +280,7 @@ def _kernel_class() -> type:
                 tma_ct,
                 tCT,
                 tiles,
+                flags,
                 alpha,
                 beta,
             ).launch(
@@ -298,6 +313,7 @@ def _kernel_class() -> type:
             tma_ct: cute.CopyAtom,
             tCT: cute.Tensor,
             tiles: cute.Tensor,
+            flags: cute.Tensor,
             alpha: cutlass.Float32,
             beta: cutlass.Float32,
         ):
@@ -525,6 +541,14 @@ def _kernel_class() -> type:
                             cute.autovec_copy(tEsC[blk], c_in)
                             res = res + beta * c_in.load().to(self.acc_dtype)
                         outs[blk].store(res.to(self.d_dtype))
+                        if cutlass.const_expr(self.check):
+                            # the rounded values (a finite float32 can round to inf); NaN
+                            # propagates through the max and fails the comparison
+                            top = cute.math.absf(outs[blk].load().to(self.acc_dtype)).reduce(
+                                cute.ReductionOp.MAX, 0.0, 0
+                            )
+                            if not top < _INF:
+                                flags[batch] = cutlass.Int32(1)
                     if cutlass.const_expr(self.has_c):
                         c_read.advance()
                     if cutlass.const_expr(self.general):
@@ -626,9 +650,11 @@ def _compiled(
     pair: bool = False,
     mirror: bool = True,
     general: bool = False,
+    check: bool = False,
 ) -> Any:
     """Compile once per configuration; shapes and strides stay dynamic (symbolic). ``general``:
-    the (n, m) product of ``gemm`` (m its own size), else the symmetric (n, n) one."""
+    the (n, m) product of ``gemm`` (m its own size), else the symmetric (n, n) one; ``check``:
+    its epilogue flags the matrices whose result is not finite."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -648,7 +674,8 @@ def _compiled(
     c = make_fake_tensor(dtype, (L, n, m), strides(2), assumed_align=16)
     d = make_fake_tensor(dtype, (L, n, m), strides(2), assumed_align=16)
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
-    kernel = _kernel_class()(has_c, stages, pair, mirror, general)
+    flags = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,))
+    kernel = _kernel_class()(has_c, stages, pair, mirror, general, check)
     return cute.compile(
         kernel,
         a,
@@ -656,6 +683,7 @@ def _compiled(
         c,
         d,
         tiles,
+        flags,
         cutlass.Int32(1),
         cutlass.Float32(1.0),
         cutlass.Float32(0.0),
@@ -720,9 +748,10 @@ def _launch(
     majors: tuple[str, str],
     form: tuple[bool, bool, bool],
     table: torch.Tensor,
+    flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """alpha * a @ b (+ beta * c) into ``out`` (a new (L, n, m) tensor if None) by the kernel of
-    ``form`` (pair, mirror, general) over the tiles of ``table``."""
+    ``form`` (pair, mirror, general) over the tiles of ``table``; ``flags``: ``gemm``'s."""
     L, n = a.shape[:2]
     has_c = c is not None and beta != 0.0
     if has_c and (c.stride(2) != 1 or c.dtype != a.dtype):
@@ -731,11 +760,19 @@ def _launch(
         out = torch.empty((L, n, b.shape[2]), dtype=a.dtype, device=a.device)
     # read here, not bound as defaults: scripts/bench_sym_ab.py --cute-variants switches them
     pair = form[0]
-    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, PAIR_STAGES if pair else STAGES, *form)
+    check = flags is not None
+    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, PAIR_STAGES if pair else STAGES, *form, check)
     cm = 2 if pair else 1
     ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
-    fn(a, b, c if has_c else out, out, table, ctas, float(alpha), float(beta))
+    flag_arg = flags if check else _unwritten(a.device)
+    fn(a, b, c if has_c else out, out, table, flag_arg, ctas, float(alpha), float(beta))
     return out
+
+
+@functools.cache
+def _unwritten(device: torch.device) -> torch.Tensor:
+    """The flags argument of a kernel compiled without the check (never read or written)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def sym_gemm(
@@ -766,23 +803,27 @@ def gemm(
     alpha: float = 1.0,
     beta: float = 0.0,
     out: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """alpha * a @ b (+ beta * c), a (L, n, k), b (L, k, m), c (L, n, m): the symmetric kernel
     in its general mode (every tile; X <- a X + B X of standard Newton-Schulz). None outside its
-    limits (n and m multiples of 128, of 256 for the pair form; as ``sym_gemm`` otherwise)."""
+    limits (n and m multiples of 128, of 256 for the pair form; as ``sym_gemm`` otherwise).
+    ``flags``: an (L,) int32 tensor in which the epilogue sets 1 for each matrix whose result
+    holds a NaN or inf (it never clears one)."""
     n, m = a.shape[1], b.shape[2]
     majors = _majors(a, b, (n, m))
-    if majors is None:
+    if majors is None or (flags is not None and (flags.shape != (a.shape[0],) or flags.dtype != torch.int32)):
         return None
     pair = pairs(n) and m % (2 * TILE) == 0
     cm = 2 if pair else 1
     table = _rect_table(n // (TILE * cm), m // (TILE * cm), GROUP, a.device)
-    return _launch(a, b, c, alpha, beta, out, majors, (pair, False, True), table)
+    return _launch(a, b, c, alpha, beta, out, majors, (pair, False, True), table, flags)
 
 
 class CuteOps(TritonOps):
-    """Symmetric products and alpha A B + beta C (X <- a X + B X) through the CuteDSL SM90
-    kernel (Triton outside its limits); A B and the fused update as in the Triton backend."""
+    """Symmetric products, alpha A B + beta C (X <- a X + B X) and the checked products
+    (``mm_checked``) through the CuteDSL SM90 kernel (Triton outside its limits); A B and the
+    fused update as in the Triton backend."""
 
     name = "cute"
 
@@ -796,6 +837,19 @@ class CuteOps(TritonOps):
     def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
         out = gemm(a, b, c, alpha, beta) if GENERAL else None
         return out if out is not None else super().mm_add(a, b, c, alpha, beta)
+
+    def mm_checked(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor | None,
+        alpha: float,
+        beta: float,
+        flags: torch.Tensor,
+    ) -> torch.Tensor | None:
+        # Gram NS's Q X too: the general mode measured level with cuBLAS there
+        out = gemm(a, b, c, alpha, beta, flags=flags) if GENERAL else None
+        return out if out is not None else super().mm_checked(a, b, c, alpha, beta, flags)
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = sym_gemm(a, b)

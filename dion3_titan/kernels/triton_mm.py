@@ -88,6 +88,7 @@ def _mm_tma_kernel(
     b_ptr,
     c_ptr,
     out_ptr,
+    flag_ptr,
     M,
     N,
     K,
@@ -100,6 +101,7 @@ def _mm_tma_kernel(
     A_T: tl.constexpr,
     B_T: tl.constexpr,
     HAS_C: tl.constexpr,
+    CHECK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,7 +112,8 @@ def _mm_tma_kernel(
     INTERPRET: tl.constexpr,
 ):
     """``A_T``/``B_T``: that operand's unit stride is its row dim and its descriptor holds the
-    transpose. ``SPLIT``/``WS``: see ``Config``."""
+    transpose. ``SPLIT``/``WS``: see ``Config``. ``CHECK``: a tile holding a NaN or inf after
+    rounding sets its matrix's flag (``mm_tma``'s ``flags``)."""
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, L, BLOCK_M, BLOCK_N, BLOCK_K, A_T, B_T)
     if SPLIT:
         out_desc = stacked_desc(out_ptr, L * M, N, BLOCK_M, BLOCK_N // 2)
@@ -131,30 +134,53 @@ def _mm_tma_kernel(
         row, col = ti * BLOCK_M, tj * BLOCK_N
         c_tile = c_ptr + batch.to(tl.int64) * s_cb + row * s_cm + col * s_cn
         out_row = batch * M + row
+        flag = flag_ptr + batch
         if SPLIT:  # two halves of BLOCK_N / 2 columns, each read, finished and stored alone
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             left, right = tl.split(halves)
-            _finish(left, c_tile, out_desc, out_row, col, s_cm, s_cn, alpha, beta, HAS_C, INTERPRET)
+            _finish(left, c_tile, out_desc, out_row, col, s_cm, s_cn, alpha, beta, flag, HAS_C, CHECK, INTERPRET)
             c_right = c_tile + (BLOCK_N // 2) * s_cn
-            _finish(right, c_right, out_desc, out_row, col + BLOCK_N // 2, s_cm, s_cn, alpha, beta, HAS_C, INTERPRET)
+            right_col = col + BLOCK_N // 2
+            _finish(
+                right, c_right, out_desc, out_row, right_col, s_cm, s_cn, alpha, beta, flag, HAS_C, CHECK, INTERPRET
+            )
         else:
-            _finish(acc, c_tile, out_desc, out_row, col, s_cm, s_cn, alpha, beta, HAS_C, INTERPRET)
+            _finish(acc, c_tile, out_desc, out_row, col, s_cm, s_cn, alpha, beta, flag, HAS_C, CHECK, INTERPRET)
 
 
 @triton.jit
-def _finish(acc, c_tile, out_desc, out_row, col, s_cm, s_cn, alpha, beta, HAS_C: tl.constexpr, INTERPRET: tl.constexpr):
+def _finish(
+    acc,
+    c_tile,
+    out_desc,
+    out_row,
+    col,
+    s_cm,
+    s_cn,
+    alpha,
+    beta,
+    flag,
+    HAS_C: tl.constexpr,
+    CHECK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """alpha * acc + beta * C (torch.baddbmm's order, in float32), rounded and stored by TMA at
     (out_row, col) of the stacked output; ``c_tile`` points at C's element of the block's
     top-left corner. C is read with plain loads straight into the accumulator's registers (any
     strides): a TMA tile of C would need shared memory beside the pipeline's stages and the
-    output tile."""
+    output tile. ``CHECK``: 1 is stored at ``flag`` when a rounded value is NaN or inf (a
+    finite float32 value can round to inf)."""
     if HAS_C:
         rows = tl.arange(0, acc.shape[0])
         cols = tl.arange(0, acc.shape[1])
         acc = alpha * acc + beta * tl.load(c_tile + rows[:, None] * s_cm + cols[None, :] * s_cn).to(tl.float32)
     else:
         acc = alpha * acc
-    out_desc.store([out_row, col], round_to(acc, out_desc.dtype, INTERPRET))
+    out = round_to(acc, out_desc.dtype, INTERPRET)
+    out_desc.store([out_row, col], out)
+    if CHECK:  # NaN fails the comparison too
+        bad = tl.max(tl.where(tl.abs(out.to(tl.float32)) < float("inf"), 0, 1))
+        tl.store(flag, 1, mask=bad > 0)
 
 
 def mm_tma(
@@ -165,11 +191,13 @@ def mm_tma(
     beta: float = 0.0,
     config: Config | None = None,
     out: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """alpha * (a @ b) + beta * c for (L, M, K) @ (L, K, N), fp16/bf16, into a new contiguous
     (L, M, N) tensor (or ``out``); None when the operands do not fit the kernel (a dimension
     off its block, A or B without a unit stride, mixed dtypes, misaligned storage; C may have any
-    strides, each matrix under 2^31 elements)."""
+    strides, each matrix under 2^31 elements). ``flags``: an (L,) int32 tensor in which the
+    epilogue sets 1 for each matrix whose result holds a NaN or inf (it never clears one)."""
     cfg = Config(*(config or DEFAULT_CONFIG))
     block_m, block_n, block_k = cfg.block_m, cfg.block_n, cfg.block_k
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
@@ -189,6 +217,7 @@ def mm_tma(
         or sb is None
         or (has_c and (c.shape != (L, M, N) or c.dtype != a.dtype or M * N >= 2**31))
         or (out is not None and not out.is_contiguous())
+        or (flags is not None and (flags.shape != (L,) or flags.dtype != torch.int32))
         or not aligned(a, b, c if has_c else None, out)
     ):
         return None
@@ -205,6 +234,7 @@ def mm_tma(
         sb[0],
         c_arg,
         out,
+        out if flags is None else flags,  # never written without CHECK
         M,
         N,
         K,
@@ -215,6 +245,7 @@ def mm_tma(
         A_T=sa[1],
         B_T=sb[1],
         HAS_C=has_c,
+        CHECK=flags is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

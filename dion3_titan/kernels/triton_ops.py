@@ -576,14 +576,30 @@ class TritonOps(TorchOps):
         out = self._mm(a, b, c, alpha, beta, config)
         return out if out is not None else super().mm_add(a, b, c, alpha, beta)
 
-    def _mm(self, a, b, c, alpha, beta, config) -> torch.Tensor | None:
+    def mm_checked(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor | None,
+        alpha: float,
+        beta: float,
+        flags: torch.Tensor,
+    ) -> torch.Tensor | None:
+        # where mm / mm_add would run the TMA GEMM (not cuBLAS): the check rides on its epilogue
+        if c is None:
+            config = triton_mm.MM_CONFIG
+        else:
+            config = triton_mm.add_config(a.shape[0], a.shape[1], b.shape[2], num_sms(a.device))
+        return self._mm(a, b, c, alpha, beta, config, flags)
+
+    def _mm(self, a, b, c, alpha, beta, config, flags=None) -> torch.Tensor | None:
         """The persistent TMA GEMM where it is switched on (config) and the operands fit it;
-        None sends the product to cuBLAS."""
+        None sends the product to cuBLAS. ``flags``: ``mm_checked``'s."""
         if config is None or not self._runs(a) or not (a.is_cuda or interpreting()):
             return None
         # one fallback record per compiled variant: a config may fit shared memory without C only
-        name = f"mm_tma{config}{'+c' if c is not None else ''}"
-        return launch_or_none(name, lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config))
+        name = f"mm_tma{config}{'+c' if c is not None else ''}{'+check' if flags is not None else ''}"
+        return launch_or_none(name, lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config, flags=flags))
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not self._runs(a):

@@ -27,7 +27,7 @@ from dion3_titan.optim.flavors import FLAVORS
 from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.observe import Observer
-from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
+from dion3_titan.optim.orthogonalize import NSSettings, ResultCheck, orthogonalize
 from dion3_titan.optim.selection import RowSelector, every_row, is_tall
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.stages import Aside, Factors, GroupStep, Outcome, RowStats, Stages
@@ -390,14 +390,11 @@ class Dion3(torch.optim.Optimizer):
         if moves:  # 4. exchange: the rows to their owners
             owned, owned_v = sg.exchange.gather(owned, owned_v)
         backend = select_backend(g.cfg.backend, tuple(owned.shape), g.cfg.compute_dtype, owned.device)
-        ortho = self._orthogonalize(g, owned, backend, tall, packed.normalized)  # 5. orthogonalize
+        ortho, flagged = self._orthogonalize(g, owned, backend, tall, packed.normalized)  # 5. orthogonalize
         if ortho.shape[1] > sg.k and not moves:  # rows packed at the backend's Gram side
             ortho = ortho[:, : sg.k]
-        # a non-finite NS result is never applied (optim/nonfinite.py)
-        in_kernel = stages.voids_in_kernel(moves)
-        row_sq = stages.result_row_sums(g, ortho, moves)  # read by the check and normalize
-        ortho, bad = self.nonfinite.orthogonalized(ortho, void_in_kernel=in_kernel, row_sq=row_sq)
-        void = bad if in_kernel else None
+        ortho, bad, row_sq = self._checked(g, stages, ortho, moves, flagged)
+        void = bad if stages.voids_in_kernel(moves) else None
         norm = stages.normalize(g, ortho, owned_v, void, moves, row_sq)  # 6. normalize (the flavor's)
         result, result_v = sg.exchange.scatter(norm.rows, norm.row_data)  # 7. exchange back
         result = result[:, : sg.selected, : sg.local_cols]
@@ -411,13 +408,31 @@ class Dion3(torch.optim.Optimizer):
 
     def _orthogonalize(
         self, g: GroupStep, owned: torch.Tensor, backend: Backend, tall: bool, normalized: bool
-    ) -> torch.Tensor:
-        """polar() of the owned batch. Across HSDP replicas each orthogonalizes its share (the
-        replicas' mean under compressed sync) and the results are joined on every replica."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """polar() of the owned batch, and which of its matrices are not finite where NS's last
+        product flagged them (else None). Across HSDP replicas each orthogonalizes its share
+        (the replicas' mean under compressed sync) and the results are joined on every replica."""
         replicas = g.sg.replicas
-        x = owned if replicas is None else replicas.split(owned)
-        ortho = orthogonalize(x, g.ns, backend, tall, normalized) if x.shape[0] else x.to(g.ns.dtype)
-        return ortho if replicas is None else replicas.gather(ortho)
+        if replicas is not None:
+            share = replicas.split(owned)
+            ortho = orthogonalize(share, g.ns, backend, tall, normalized) if share.shape[0] else share.to(g.ns.dtype)
+            return replicas.gather(ortho), None
+        check = ResultCheck()
+        return orthogonalize(owned, g.ns, backend, tall, normalized, check), check.bad
+
+    def _checked(
+        self, g: GroupStep, stages: Stages, ortho: torch.Tensor, moves: bool, flagged: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A non-finite NS result is never applied (optim/nonfinite.py): (the result, its
+        non-finite matrices, its rows' sums of squares or None). Which matrices: as NS's last
+        product flagged them, else from the rows' sums of squares where the stages compute them,
+        else by a pass of the check's own; the sums are computed where the flavor reads them
+        too. Such a matrix is zeroed, unless the update voids it itself."""
+        row_sq = None
+        if flagged is None or g.flavor.reads_row_sums:
+            row_sq = stages.result_row_sums(g, ortho, moves)
+        ortho, bad = self.nonfinite.orthogonalized(ortho, stages.voids_in_kernel(moves), row_sq, flagged)
+        return ortho, bad, row_sq
 
     def _group_step(self, sg: ShapeGroup) -> GroupStep:
         cfg = self._configs[sg.group_index]

@@ -22,6 +22,7 @@ class Flavor:
 
     name = "muon"
     row_data = False  # per-row data travels with the rows (one extra column in the exchange)
+    reads_row_sums = False  # the row engine's epilogue reads the NS result's rows' sums of squares
 
     def create_state(self, state: dict, member) -> None:
         """Add this flavor's state tensors for ``member`` to the parameter's ``state``."""
@@ -46,8 +47,8 @@ class Flavor:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Row engine: (row denominators, matrix scales, new per-row data) that the update
         kernel applies to the NS result itself, from its rows' sums of squares ``row_sq`` (N, K)
-        (the row engine computes them for every flavor); (None, None, data) when there is
-        nothing to apply."""
+        (computed for a flavor that ``reads_row_sums``, else None); (None, None, data) when
+        there is nothing to apply."""
         return None, None, data
 
 
@@ -57,6 +58,7 @@ class NorMuon(Flavor):
 
     name = "normuon"
     row_data = True
+    reads_row_sums = True
 
     def create_state(self, state: dict, member) -> None:
         if member.variance_key in state:

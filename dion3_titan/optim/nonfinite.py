@@ -200,14 +200,20 @@ class NonfiniteGuard:
         return 1.0 - self.ok
 
     def orthogonalized(
-        self, result: torch.Tensor, void_in_kernel: bool = False, row_sq: torch.Tensor | None = None
+        self,
+        result: torch.Tensor,
+        void_in_kernel: bool = False,
+        row_sq: torch.Tensor | None = None,
+        bad: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A Newton-Schulz result (B, n, m) with no non-finite matrix, and which matrices were
         not finite (B,), for ``count_ns``. A non-finite matrix becomes zero, so its update
         subtracts nothing, except with ``void_in_kernel``: the update kernel zeroes it itself
-        (the caller passes it the returned flags), so no pass over the batch. ``row_sq``: the
-        result's rows' sums of squares, if computed (then no pass of its own either)."""
-        bad = nonfinite_matrices(result, row_sq)
+        (the caller passes it the returned flags), so no pass over the batch. Which matrices:
+        ``bad`` where NS's last product flagged them (orthogonalize.ResultCheck), else from
+        ``row_sq``, the result's rows' sums of squares, if computed, else by a pass of its own."""
+        if bad is None:
+            bad = nonfinite_matrices(result, row_sq)
         if not void_in_kernel:
             result = torch.where(bad[:, None, None], torch.zeros_like(result), result)
         return result, bad

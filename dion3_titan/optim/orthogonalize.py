@@ -28,6 +28,36 @@ class NSSettings:
         return cls(cfg.ns_algorithm, cfg.coefficients(), cfg.ns_restarts, cfg.compute_dtype, cfg.ns_eps)
 
 
+@dataclass
+class ResultCheck:
+    """Asks Newton-Schulz's last product to flag, in its epilogue, the matrices whose result
+    holds a NaN or inf (``Backend.mm_checked``), so no pass over the result is needed to know.
+    ``bad`` is then (B,) bool; it stays None where the backend has no such kernel for the
+    product (the caller checks the result itself)."""
+
+    bad: torch.Tensor | None = None
+
+
+def _product(
+    ops: Backend,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    check: ResultCheck | None,
+) -> torch.Tensor:
+    """alpha * (a @ b) (+ beta * c), through the backend's checked product where asked and it
+    has one."""
+    if check is not None:
+        flags = torch.zeros(a.shape[0], dtype=torch.int32, device=a.device)
+        out = ops.mm_checked(a, b, c, alpha, beta, flags)
+        if out is not None:
+            check.bad = flags != 0
+            return out
+    return ops.mm(a, b) if c is None else ops.mm_add(a, b, c, alpha, beta)
+
+
 def is_transposed_batch(views: list[torch.Tensor]) -> bool:
     """True when every (B, n, m) view is the transpose of a contiguous tensor (a view that
     selects a weight's columns): batches built from them should keep that memory order."""
@@ -58,6 +88,7 @@ def gram_newton_schulz(
     restarts: tuple[int, ...],
     backend: Backend,
     column_major: bool = False,
+    check: ResultCheck | None = None,
 ) -> torch.Tensor:
     """Alg. 3 on a wide, normalized x (B, n, m), n <= m.
 
@@ -67,6 +98,7 @@ def gram_newton_schulz(
     iteration X <- Q X and R, Q are rebuilt, which clears spurious negative eigenvalues.
     ``column_major``: the result is the transpose view of X^T Q (= (Q X)^T, Q symmetric), the
     memory order of a tall caller's rows, so the passes after NS read it row by row.
+    ``check``: the last product flags the matrices whose result is not finite (``ResultCheck``).
     """
     ops = backend
     xt = x.mT
@@ -92,21 +124,32 @@ def gram_newton_schulz(
             q = ops.sym_addmm(q, z, q, alpha=1.0, beta=a)
     if q is None:
         return x
-    return ops.mm(x.mT, q).mT if column_major else ops.mm(q, x)
+    if column_major:
+        return _product(ops, x.mT, q, None, 1.0, 0.0, check).mT
+    return _product(ops, q, x, None, 1.0, 0.0, check)
 
 
-def standard_newton_schulz(x: torch.Tensor, coefficients: Coefficients, backend: Backend) -> torch.Tensor:
-    """Alg. 1 on a wide, normalized x: A = X X^T, B = b A + c A^2, X <- a X + B X."""
+def standard_newton_schulz(
+    x: torch.Tensor, coefficients: Coefficients, backend: Backend, check: ResultCheck | None = None
+) -> torch.Tensor:
+    """Alg. 1 on a wide, normalized x: A = X X^T, B = b A + c A^2, X <- a X + B X. ``check``:
+    as in ``gram_newton_schulz``."""
     ops = backend
-    for a, b, c in coefficients:
+    last = len(coefficients) - 1
+    for t, (a, b, c) in enumerate(coefficients):
         gram = ops.sym_mm(x, x.mT)
         poly = ops.sym_addmm(gram, gram, gram, alpha=c, beta=b)
-        x = ops.mm_add(poly, x, x, alpha=1.0, beta=a)
+        x = _product(ops, poly, x, x, 1.0, a, check if t == last else None)
     return x
 
 
 def orthogonalize(
-    x: torch.Tensor, settings: NSSettings, backend: Backend, tall: bool | None = None, normalized: bool = False
+    x: torch.Tensor,
+    settings: NSSettings,
+    backend: Backend,
+    tall: bool | None = None,
+    normalized: bool = False,
+    check: ResultCheck | None = None,
 ) -> torch.Tensor:
     """polar(x) for a batch x (B, n, m) of either orientation; result in ``settings.dtype``.
 
@@ -116,7 +159,8 @@ def orthogonalize(
     rounding noise that the iteration amplifies; zero rows or columns stay exactly zero.
     ``normalized``: x is already ``normalize_batch``'s output (scaled, in the compute dtype).
     A Gram side the backend prefers larger (``Backend.gram_side``) is zero-padded here; a
-    caller that packs its batch at that side already avoids the copy.
+    caller that packs its batch at that side already avoids the copy. ``check``: the last
+    product flags the matrices whose result is not finite, where the backend can (``ResultCheck``).
     """
     if x.ndim != 3:
         raise ValueError(f"orthogonalize expects a (B, n, m) batch, got shape {tuple(x.shape)}")
@@ -134,8 +178,8 @@ def orthogonalize(
     else:
         xn = x
     if algorithm == "gram":
-        out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend, column_major=tall)
+        out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend, tall, check)
     else:
-        out = standard_newton_schulz(xn, settings.coefficients, backend)
+        out = standard_newton_schulz(xn, settings.coefficients, backend, check)
     out = out[:, :n]
     return out.mT if tall else out

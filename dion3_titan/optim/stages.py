@@ -150,8 +150,9 @@ class Stages:
 
     def result_row_sums(self, g: GroupStep, ortho: torch.Tensor, moves: bool) -> torch.Tensor | None:
         """The NS result's rows' sums of squares (N, K) float32 where an implementation computes
-        them in one pass (the result's finiteness check reads them, and ``normalize`` where the
-        flavor needs them), else None."""
+        them in one pass, else None. Asked for where the flavor ``reads_row_sums`` (``normalize``
+        gets them) or NS's last product did not flag its non-finite matrices (the result's
+        finiteness check reads them then)."""
         return None
 
     def normalize(

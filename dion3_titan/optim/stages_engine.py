@@ -104,8 +104,9 @@ class RowEngineStages(Stages):
         return not moves
 
     def result_row_sums(self, g: GroupStep, ortho: torch.Tensor, moves: bool) -> torch.Tensor | None:
-        # every flavor: the finiteness check reads them too, and this one Triton pass runs near
-        # the memory rate where torch's per-matrix max reduction did not (docs/benchmarks.md)
+        # for the finiteness check too where NS's last product did not flag its result: this one
+        # Triton pass runs near the memory rate where torch's per-matrix max reduction did not
+        # (docs/benchmarks.md)
         return engine.row_sumsq(ortho) if not moves else None
 
     def normalize(

@@ -309,10 +309,46 @@ def test_cute_gemm_general(dtype, shape: tuple, with_c: bool, b_layout: str, see
     got = cute_symm.gemm(a, b, c, alpha, beta, out=out)
     assert got is out
     pair = n % 256 == 0 and m % 256 == 0
-    assert built == [(pair, False, True)], f"ran {built}"
+    assert built == [(pair, False, True, False)], f"ran {built}"
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"unwritten or non-finite output (seed {seed})"
     assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6, f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(4, 256, 384, 512), (4, 2048, 2048, 1536), (4, 384, 256, 640)])
+@pytest.mark.parametrize("with_c", [False, True])
+@pytest.mark.parametrize("a_layout", ["rows", "transposed"])
+def test_cute_gemm_flags_the_nonfinite_matrices(dtype, shape: tuple, with_c: bool, a_layout: str, seed: int) -> None:
+    """The general mode with its finiteness check (``gemm``'s flags, Newton-Schulz's last
+    product): exactly the matrices whose rounded result holds a NaN or inf are flagged (a NaN in
+    C, an inf in A, a product beyond the dtype's range), a flag already set stays set, and the
+    result has the bits of the unchecked kernel's."""
+    if not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan.kernels import cute_symm
+
+    L, n, k, m = shape
+    a = torch.randn(L, n, k, device="cuda").to(dtype)
+    b = torch.randn(L, k, m, device="cuda").abs().to(dtype)  # no cancellation: row 7 of matrix 3 overflows
+    c = torch.randn(L, n, m, device="cuda").to(dtype) if with_c else None
+    a[2, 100, 5] = float("inf")
+    a[3, 7, :] = {torch.float16: 4e4, torch.bfloat16: 3e38}[dtype]
+    if with_c:
+        c[1, 20, 33] = float("nan")
+    if a_layout == "transposed":
+        a = a.mT.contiguous().mT
+    alpha, beta = (1.0, 0.5) if with_c else (1.0, 0.0)
+    plain = cute_symm.gemm(a, b, c, alpha, beta)
+    flags = torch.tensor([0, 0, 0, 5], dtype=torch.int32, device="cuda")
+    got = cute_symm.gemm(a, b, c, alpha, beta, flags=flags)
+    assert got is not None and plain is not None
+    torch.cuda.synchronize()
+    want = (~torch.isfinite(plain).flatten(1).all(1)).int()
+    assert want.tolist() == [0, int(with_c), 1, 1], f"the poisoned inputs did not poison (seed {seed})"
+    want[3] = 5
+    assert flags.tolist() == want.tolist(), f"flags {flags.tolist()} (seed {seed})"
+    assert torch.equal(got.nan_to_num(), plain.nan_to_num()), f"the check changed the result (seed {seed})"
 
 
 @pytest.mark.parametrize("shape", [(4, 512, 1536), (2, 1536, 512), (4, 256, 1024)], ids=["wide", "tall", "side256"])
@@ -400,12 +436,14 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
     """backend = "auto" on Hopper: a batch whose shape the measured table sends to CuteDSL
     (dispatch.prefers_cute: 128 x 128 tiles at 1024, pair tiles from 2048 on) is orthogonalized
     by the CuteDSL kernels inside the captured step, in the form the table names, its
-    X <- a X + B X in the general mode (cute_symm.GENERAL). The capture calls them (the replays call nothing on the host), and the replayed steps move
+    X <- a X + B X in the general mode (cute_symm.GENERAL), the last one checking its result for
+    the Muon flavor (no pass of row sums). The capture calls them (the replays call nothing on the host), and the replayed steps move
     the weights exactly as eager steps with backend = "cute" do."""
     if not _cute_ready():
         pytest.skip("CuteDSL or an SM90 GPU missing")
     from dion3_titan import Dion3
     from dion3_titan.kernels import cute_symm, dispatch
+    from dion3_titan.optim import engine
     from dion3_titan.optim.cuda_graph import GraphedOptimizer
 
     shape = (side, side)  # fraction 1: one square batch, standard NS
@@ -413,7 +451,7 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(*shape, generator=gen).cuda()
     grads = [torch.randn(*shape, generator=gen).cuda() for _ in range(6)]
-    calls = {"cute": 0, "general": 0}
+    calls = {"cute": 0, "general": 0, "checked": 0, "row_sums": 0}
     forms: set[bool] = set()  # the pair flag of every kernel the capture built or looked up
     real, real_gemm, real_compiled = cute_symm.sym_gemm, cute_symm.gemm, cute_symm._compiled
 
@@ -425,7 +463,14 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
     def gemm_spy(*args, **kwargs):
         out = real_gemm(*args, **kwargs)
         calls["general"] += out is not None
+        calls["checked"] += out is not None and kwargs.get("flags") is not None
         return out
+
+    real_sums = engine.row_sumsq
+
+    def sums_spy(x):
+        calls["row_sums"] += 1
+        return real_sums(x)
 
     def compiled_spy(*args):
         forms.add(args[5])
@@ -441,6 +486,7 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
                 monkeypatch.setattr(cute_symm, "sym_gemm", spy)  # the capturing step
                 monkeypatch.setattr(cute_symm, "gemm", gemm_spy)
                 monkeypatch.setattr(cute_symm, "_compiled", compiled_spy)
+                monkeypatch.setattr(engine, "row_sumsq", sums_spy)
             if graphed and i == 4:
                 captured = dict(calls)
             w.grad = g.clone()
@@ -450,6 +496,8 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
             assert runner.graph is not None, "the step was not captured"
             assert captured["cute"] > 0, "the captured step ran no CuteDSL kernel"
             assert captured["general"] > 0 or not cute_symm.GENERAL, "X <- a X + B X did not run in CuteDSL"
+            # the Muon flavor's NS check comes from the last product's epilogue, not a pass
+            assert captured["checked"] == 1 and captured["row_sums"] == 0 or not cute_symm.GENERAL, captured
             assert calls == captured, "replays called kernels from the host"
             assert forms == {cute_symm.pairs(side)}, f"pair form {forms} at side {side}"
         torch.cuda.synchronize()
