@@ -47,6 +47,35 @@ def test_mm_tma(dtype, config, shape, layout, with_c, seed: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("with_c", [False, True])
+def test_mm_tma_flags_the_nonfinite_matrices(dtype, config, with_c: bool, seed: int) -> None:
+    """``flags``: exactly the matrices whose rounded result holds a NaN or inf (a NaN in C, an
+    inf in A, a product beyond the dtype's range) are flagged, a flag already set stays set,
+    and the result has the unchecked kernel's bits."""
+    from dion3_titan.kernels import triton_mm
+
+    L, M, K, N = 4, 256, 384, 512
+    a = torch.randn(L, M, K, device="cuda").to(dtype)
+    b = torch.randn(L, K, N, device="cuda").abs().to(dtype)  # no cancellation: row 7 of matrix 3 overflows
+    c = torch.randn(L, M, N, device="cuda").to(dtype)
+    a[2, 100, 5] = float("inf")
+    a[3, 7, :] = {torch.float16: 4e4, torch.bfloat16: 3e38}[dtype]
+    c[1, 20, 33] = float("nan")
+    args = (a, b, c if with_c else None, 1.0, 0.5 if with_c else 0.0)
+    plain = triton_mm.mm_tma(*args, config=config)
+    flags = torch.tensor([0, 0, 0, 5], dtype=torch.int32, device="cuda")
+    got = triton_mm.mm_tma(*args, config=config, flags=flags)
+    assert got is not None and plain is not None
+    torch.cuda.synchronize()
+    want = (~torch.isfinite(plain).flatten(1).all(1)).int()
+    assert want.tolist() == [0, int(with_c), 1, 1], f"the poisoned inputs did not poison (seed {seed})"
+    want[3] = 5
+    assert flags.tolist() == want.tolist(), f"flags {flags.tolist()} (seed {seed})"
+    assert torch.equal(got.nan_to_num(), plain.nan_to_num()), f"the check changed the result (seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_backend_products_through_the_tma_gemm(dtype, seed: int, monkeypatch) -> None:
     """TritonOps.mm / mm_add with both switches on give the float64 result to the dtype's
     accuracy, C the second operand itself as in X <- a X + B X; off the block grid they fall
