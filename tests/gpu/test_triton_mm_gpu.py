@@ -4,6 +4,8 @@ the Triton backend's general products through it, and standard Newton-Schulz on 
 import pytest
 import torch
 
+from tests.flagged import assert_flags_the_poisoned, poisoned_operands
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -55,24 +57,11 @@ def test_mm_tma_flags_the_nonfinite_matrices(dtype, config, with_c: bool, seed: 
     and the result has the unchecked kernel's bits."""
     from dion3_titan.kernels import triton_mm
 
-    L, M, K, N = 4, 256, 384, 512
-    a = torch.randn(L, M, K, device="cuda").to(dtype)
-    b = torch.randn(L, K, N, device="cuda").abs().to(dtype)  # no cancellation: row 7 of matrix 3 overflows
-    c = torch.randn(L, M, N, device="cuda").to(dtype)
-    a[2, 100, 5] = float("inf")
-    a[3, 7, :] = {torch.float16: 4e4, torch.bfloat16: 3e38}[dtype]
-    c[1, 20, 33] = float("nan")
-    args = (a, b, c if with_c else None, 1.0, 0.5 if with_c else 0.0)
-    plain = triton_mm.mm_tma(*args, config=config)
-    flags = torch.tensor([0, 0, 0, 5], dtype=torch.int32, device="cuda")
-    got = triton_mm.mm_tma(*args, config=config, flags=flags)
-    assert got is not None and plain is not None
-    torch.cuda.synchronize()
-    want = (~torch.isfinite(plain).flatten(1).all(1)).int()
-    assert want.tolist() == [0, int(with_c), 1, 1], f"the poisoned inputs did not poison (seed {seed})"
-    want[3] = 5
-    assert flags.tolist() == want.tolist(), f"flags {flags.tolist()} (seed {seed})"
-    assert torch.equal(got.nan_to_num(), plain.nan_to_num()), f"the check changed the result (seed {seed})"
+    a, b, c = poisoned_operands(4, 256, 384, 512, dtype)
+    c, beta = (c, 0.5) if with_c else (None, 0.0)
+    assert_flags_the_poisoned(
+        lambda flags: triton_mm.mm_tma(a, b, c, 1.0, beta, config=config, flags=flags), with_c, seed
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
