@@ -38,7 +38,9 @@ for part in "$@"; do
         run "$PY" -m pytest -q -n 8 -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
         ;;
     step)
-        step_rows 7b 8 muon "dion3_f1_gram+graph+norm,dion_muon+graph" step_7b_f1_muon --profile 14
+        # with the result check read from the result beside it (the A/B of the last product's flags)
+        step_rows 7b 8 muon "dion3_f1_gram+graph+norm,dion_muon+graph" step_7b_f1_muon --profile 14 \
+            --settings "dion3.CHECKED_PRODUCT=False"
         step_rows 7b 8 normuon "dion3_f1_gram+graph+norm,dion_f1+graph" step_7b_f1_normuon
         step_rows 7b 8 normuon "dion3_f1/4+graph+norm,dion_f1/4+graph" step_7b_f4_normuon
         step_rows 1b_train 16 normuon "dion3_f1/4+graph+norm,dion_f1/4+graph" step_1b_train_f4_normuon

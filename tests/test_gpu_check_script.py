@@ -44,3 +44,12 @@ def test_train_runs_are_runs_bench_train_knows():
 @pytest.mark.parametrize("script", sorted(set(re.findall(r"scripts/\w+\.py", SCRIPT.read_text()))))
 def test_every_script_it_runs_exists(script):
     assert (ROOT / script).is_file()
+
+
+def test_settings_name_module_attributes_that_exist():
+    found = re.findall(r'--settings "([^"]+)"', SCRIPT.read_text())
+    assert found
+    for spec in found:
+        for variant in spec.split(","):
+            for part in variant.split("+"):
+                step_configs.parse_setting(part)  # one clear ValueError for a renamed switch

@@ -626,7 +626,11 @@ def _ns_void_checks() -> list[dict]:
     summed = []
     engine.row_sumsq = lambda x: summed.append(x.shape) or row_sumsq(x)
     try:
-        for flavor, corrupt_backend in itertools.product(("normuon", "muon"), (CorruptOneGram, FlaggingCorruptOneGram)):
+        cases = [
+            (*case, True) for case in itertools.product(("normuon", "muon"), (CorruptOneGram, FlaggingCorruptOneGram))
+        ]
+        for flavor, corrupt_backend, checked in [*cases, ("muon", FlaggingCorruptOneGram, False)]:
+            dion3_module.CHECKED_PRODUCT = checked  # the A/B switch: False reads the result
             opts = []
             for backend in (None, corrupt_backend(WIDE_SIDE, CORRUPTED, 1)):
                 summed.clear()
@@ -648,7 +652,7 @@ def _ns_void_checks() -> list[dict]:
             out.append(
                 {
                     "check": "ns_void",
-                    "case": f"{flavor},{corrupt_backend.__name__}",
+                    "case": f"{flavor},{corrupt_backend.__name__}{'' if checked else ',unchecked'}",
                     "events": corrupt.nonfinite_ns_events,
                     "moved": moved,
                     "unexplained": unexplained,
@@ -658,6 +662,7 @@ def _ns_void_checks() -> list[dict]:
             )
     finally:
         engine.runs_on, dion3_module.select_backend, engine.row_sumsq = runs_on, select, row_sumsq
+        dion3_module.CHECKED_PRODUCT = True
     return out
 
 
@@ -995,7 +1000,8 @@ def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:
 
 def test_engine_drops_a_nonfinite_ns_result(results) -> None:
     found = {r["case"]: r for r in _of(results, "ns_void")}
-    assert set(found) == {f"{f},{b}" for f in ("normuon", "muon") for b in ("CorruptOneGram", "FlaggingCorruptOneGram")}
+    cases = {f"{f},{b}" for f in ("normuon", "muon") for b in ("CorruptOneGram", "FlaggingCorruptOneGram")}
+    assert set(found) == cases | {"muon,FlaggingCorruptOneGram,unchecked"}
     bad = [r for r in found.values() if not (r["events"] == 1 and len(r["moved"]) == 1 and not r["unexplained"])]
     assert not bad, bad
     # the flagged product replaces the Muon flavor's pass over the result; NorMuon sums its
@@ -1003,6 +1009,8 @@ def test_engine_drops_a_nonfinite_ns_result(results) -> None:
     assert found["muon,FlaggingCorruptOneGram"]["sums"] == 0, found
     assert all(found[f"{f},FlaggingCorruptOneGram"]["flagged"] > 0 for f in ("normuon", "muon")), found
     assert found["muon,CorruptOneGram"]["sums"] > 0 and found["normuon,FlaggingCorruptOneGram"]["sums"] > 0, found
+    unchecked = found["muon,FlaggingCorruptOneGram,unchecked"]  # dion3.CHECKED_PRODUCT = False
+    assert unchecked["sums"] > 0 and unchecked["flagged"] == 0, found
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ from dion3_titan.optim.stages_reference import ReferenceStages
 
 ALGORITHMS = ("dion3", "adamw")
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
+# Newton-Schulz's last product flags the matrices whose result is not finite, where the backend
+# has such a kernel (Backend.mm_checked), so the result check needs no pass over the result;
+# False reads the result instead (an A/B switch: scripts/bench_step.py --settings
+# dion3.CHECKED_PRODUCT=False).
+CHECKED_PRODUCT = True
 
 
 def check_adamw_group(group: dict, where: str) -> None:
@@ -417,8 +422,8 @@ class Dion3(torch.optim.Optimizer):
             share = replicas.split(owned)
             ortho = orthogonalize(share, g.ns, backend, tall, normalized) if share.shape[0] else share.to(g.ns.dtype)
             return replicas.gather(ortho), None
-        check = ResultCheck()
-        return orthogonalize(owned, g.ns, backend, tall, normalized, check), check.bad
+        check = ResultCheck() if CHECKED_PRODUCT else None
+        return orthogonalize(owned, g.ns, backend, tall, normalized, check), check and check.bad
 
     def _checked(
         self, g: GroupStep, stages: Stages, ortho: torch.Tensor, moves: bool, flagged: torch.Tensor | None
