@@ -418,12 +418,13 @@ class Dion3(torch.optim.Optimizer):
         product flagged them (else None). Across HSDP replicas each orthogonalizes its share
         (the replicas' mean under compressed sync) and the results are joined on every replica."""
         replicas = g.sg.replicas
+        x = owned if replicas is None else replicas.split(owned)
+        # the replicas' shares are joined below: a flag per share would need joining too
+        check = ResultCheck() if CHECKED_PRODUCT and replicas is None else None
+        ortho = orthogonalize(x, g.ns, backend, tall, normalized, check) if x.shape[0] else x.to(g.ns.dtype)
         if replicas is not None:
-            share = replicas.split(owned)
-            ortho = orthogonalize(share, g.ns, backend, tall, normalized) if share.shape[0] else share.to(g.ns.dtype)
             return replicas.gather(ortho), None
-        check = ResultCheck() if CHECKED_PRODUCT else None
-        return orthogonalize(owned, g.ns, backend, tall, normalized, check), check and check.bad
+        return ortho, None if check is None else check.bad
 
     def _checked(
         self, g: GroupStep, stages: Stages, ortho: torch.Tensor, moves: bool, flagged: torch.Tensor | None
