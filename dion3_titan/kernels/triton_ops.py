@@ -568,12 +568,11 @@ class TritonOps(TorchOps):
         return out
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = self._mm(a, b, None, 1.0, 0.0, triton_mm.MM_CONFIG)
+        out = self._mm(a, b, None, 1.0, 0.0)
         return out if out is not None else super().mm(a, b)
 
     def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        config = triton_mm.add_config(a.shape[0], a.shape[1], b.shape[2], num_sms(a.device))
-        out = self._mm(a, b, c, alpha, beta, config)
+        out = self._mm(a, b, c, alpha, beta)
         return out if out is not None else super().mm_add(a, b, c, alpha, beta)
 
     def mm_checked(
@@ -586,15 +585,16 @@ class TritonOps(TorchOps):
         flags: torch.Tensor,
     ) -> torch.Tensor | None:
         # where mm / mm_add would run the TMA GEMM (not cuBLAS): the check rides on its epilogue
+        return self._mm(a, b, c, alpha, beta, flags)
+
+    def _mm(self, a, b, c, alpha, beta, flags=None) -> torch.Tensor | None:
+        """The persistent TMA GEMM where it is switched on (MM_CONFIG for A B, ``add_config``
+        with C) and the operands fit it; None sends the product to cuBLAS. ``flags``:
+        ``mm_checked``'s."""
         if c is None:
             config = triton_mm.MM_CONFIG
         else:
             config = triton_mm.add_config(a.shape[0], a.shape[1], b.shape[2], num_sms(a.device))
-        return self._mm(a, b, c, alpha, beta, config, flags)
-
-    def _mm(self, a, b, c, alpha, beta, config, flags=None) -> torch.Tensor | None:
-        """The persistent TMA GEMM where it is switched on (config) and the operands fit it;
-        None sends the product to cuBLAS. ``flags``: ``mm_checked``'s."""
         if config is None or not self._runs(a) or not (a.is_cuda or interpreting()):
             return None
         # one fallback record per compiled variant: a config may fit shared memory without C only
