@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 
 from benchmarks.comm_params import Param
 from benchmarks.comm_plan import GroupPlan, Mesh, build_plan, every_row, local_chunk, result_dtype
-from dion3_titan.dist.comm import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, reduce_scatter_bytes
+from dion3_titan.dist.comm import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    all_to_all_bytes,
+    extra_columns,
+    reduce_scatter_bytes,
+)
 from dion3_titan.kernels.flops import ns_flops
 from dion3_titan.optim.config import Dion3Config
 from dion3_titan.optim.flavors import FLAVORS
@@ -126,7 +132,8 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
     R = mesh.replicas
     res = result_dtype(cfg).itemsize
     ns = cfg.compute_dtype.itemsize  # results cross replicas as Newton-Schulz returns them
-    extra = 1 if FLAVORS[cfg.flavor].row_data else 0
+    row_data = FLAVORS[cfg.flavor].row_data
+    extra = 1 if row_data else 0
     compressed = sync.mode == "compressed"
     # l1 scores: one collective per step for all shape groups (optim/selection.py RowSelector.scores)
     scored = [g for g in plans if not every_row(g, s, cfg)] if cfg.selection == "l1" else []
@@ -137,9 +144,15 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
     if tabled:  # the shards' partial scores, or every row block's
         numel = sum(g.batch[s] * max(g.block_rows) for g in tabled)
         rec.ring("optimizer", "scores all-gather", "shard", all_gather_bytes(numel, mesh.shards, FP32))
+    sharded = [g for g in plans if g.sharded]
+    if sharded and not compressed:  # the norms that the rows are normalized by before they move
+        numel = sum(g.batch[s] for g in sharded)
+        rec.ring("optimizer", "row norms all-reduce", "shard", all_reduce_bytes(numel, mesh.shards, FP32))
     for g in plans:
         k, n = g.k[s], g.batch[s]
         mom = g.dtype.itemsize  # momentum rows travel in the momentum's (the parameter's) dtype
+        # sharded rows travel as NS's input, unless the replicas average them (compressed sync)
+        wire = cfg.compute_dtype if not compressed else g.dtype
         if not g.sharded:  # whole on every shard rank
             if compressed:
                 _replica_split(rec, n, k * g.cols[s], r, mom, ns)
@@ -154,9 +167,10 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
                 )
                 rec.step.ns_flops += (share if R > 1 else n) * _cost(k, g.cols[s], cfg)
             continue
-        block = k * (g.cols[s] + extra)
+        block = k * (g.cols[s] + extra)  # the results' (NorMuon's float32 rows carry one column)
+        sent = k * (g.cols[s] + (extra_columns(wire) if row_data else 0))
         counts = [g.owners.count(q) for q in range(mesh.shards)]
-        rec.all_to_all("optimizer", "rows gather (all-to-all)", [counts[s] * block] * mesh.shards, mom)
+        rec.all_to_all("optimizer", "rows gather (all-to-all)", [counts[s] * sent] * mesh.shards, wire.itemsize)
         own = counts[s]
         per = g.n_rb * k * g.n_cb * g.cols[s]  # one gathered matrix
         if sync.splits_ns and R > 1:

@@ -37,18 +37,22 @@ def _shape(rng, lo=3, hi=300):
 @pytest.mark.parametrize("flavor", ["muon", "normuon"])
 def test_one_matrix_under_fsdp_hand_counted(seed, flavor):
     """One d_out x d_in matrix on S ranks: rank 0 owns it, receives k x W from every other rank
-    (fp32 momentum) and sends each its k x W back (fp16 for Muon, fp32 for NorMuon)."""
+    (fp16, the NS input; NorMuon's float32 second moment in two more columns) and sends each
+    its k x W back (fp16 for Muon, fp32 for NorMuon with one more column); one all-reduce of
+    the matrix's norm before."""
     rng = random.Random(seed)
     (d_out, d_in), S = _shape(rng), rng.randint(2, 6)
     f = rng.choice([1.0, 0.25, 0.125])
     cfg = Dion3Config(fraction=f, flavor=flavor)
     steps = _steps(f"w={d_out}x{d_in}", cfg, Mesh(1, S, S))
     k = max(1, math.ceil(f * math.ceil(d_out / S) - 1e-9))
-    width, res = (d_in + 1, 4) if flavor == "normuon" else (d_in, 2)
+    sent, width, res = (d_in + 2, d_in + 1, 4) if flavor == "normuon" else (d_in, d_in, 2)
+    norm = 2 * (S - 1) * 4  # a ring all-reduce of one float32
     for r, step in enumerate(steps):
-        assert _bytes(step, "rows gather (all-to-all)") == ((S - 1) * k * width * 4 if r == 0 else 0)
+        assert _bytes(step, "row norms all-reduce") == norm
+        assert _bytes(step, "rows gather (all-to-all)") == ((S - 1) * k * sent * 2 if r == 0 else 0)
         assert _bytes(step, "results scatter (all-to-all)") == (0 if r == 0 else k * width * res)
-        assert step.by_link() == {"shard": (S - 1) * k * width * 4 if r == 0 else k * width * res}
+        assert step.by_link() == {"shard": norm + ((S - 1) * k * sent * 2 if r == 0 else k * width * res)}
         want = ns_flops(S * k, d_in, "auto", 5, (2,), symmetric=True) if r == 0 else 0.0
         assert step.ns_flops == pytest.approx(want)
         # FSDP2: fp32 gradient reduce-scatter and the bf16 all-gather (forward and backward)
@@ -68,7 +72,7 @@ def test_owners_balance_equal_matrices(seed):
     k = max(1, math.ceil(0.25 * math.ceil(d_out / S) - 1e-9))
     for r, step in enumerate(steps):
         own = len(range(r, n, S))
-        assert _bytes(step, "rows gather (all-to-all)") == (S - 1) * own * k * d_in * 4
+        assert _bytes(step, "rows gather (all-to-all)") == (S - 1) * own * k * d_in * 2
         assert _bytes(step, "results scatter (all-to-all)") == (n - own) * k * d_in * 2
 
 
@@ -111,10 +115,10 @@ def test_links_of_a_group_spanning_nodes():
     """FSDP over 2 nodes of 2 GPUs: an all-to-all's bytes from the other node cross nodes; a
     ring reduce-scatter sends 1 of its 3 chunks across nodes (hierarchical)."""
     steps = _steps("w0=8x16,w1=8x16,w2=8x16,w3=8x16", Dion3Config(fraction=0.5), Mesh(1, 4, 2))
-    block = 1 * 16  # k = 1 of 2 local rows, 16 columns, fp32 momentum / fp16 results
+    block = 1 * 16  # k = 1 of 2 local rows, 16 columns, fp16 NS input and results
     for step in steps:
         gather = next(t for t in step.transfers if t.name == "rows gather (all-to-all)")
-        assert (gather.intra, gather.inter) == (block * 4, 2 * block * 4)  # owns one matrix
+        assert (gather.intra, gather.inter) == (block * 2, 2 * block * 2)  # owns one matrix
         scatter = next(t for t in step.transfers if t.name == "results scatter (all-to-all)")
         assert (scatter.intra, scatter.inter) == (block * 2, 2 * block * 2)
         rs = next(t for t in step.transfers if t.name == "grad reduce-scatter")

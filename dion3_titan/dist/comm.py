@@ -87,10 +87,29 @@ class Exchange:
         return result, extra
 
 
+def extra_columns(dtype: torch.dtype) -> int:
+    """Columns that a float32 per-row scalar takes in rows of ``dtype``: one, or two of a 16-bit
+    dtype, which carry its bits unchanged (the rows of NS's input travel in float16, the
+    NorMuon second moment beside them must not lose precision on the way)."""
+    return 2 if dtype.itemsize == 2 else 1
+
+
 def append_extra(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    """x (..., C) with the per-row ``extra`` (...) as its last ``extra_columns`` columns."""
     if extra is None:
         return x
-    return torch.cat([x, extra.to(x.dtype).unsqueeze(-1)], dim=-1)
+    if extra_columns(x.dtype) == 1:
+        return torch.cat([x, extra.to(x.dtype).unsqueeze(-1)], dim=-1)
+    bits = extra.to(torch.float32).contiguous().view(x.dtype).view(*extra.shape, 2)
+    return torch.cat([x, bits], dim=-1)
+
+
+def split_extra(x: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``append_extra``'s inverse: (the first ``cols`` columns, the per-row scalar)."""
+    tail = x[..., cols:]
+    if tail.shape[-1] == 1:
+        return x[..., :cols], tail[..., 0]
+    return x[..., :cols], tail.contiguous().view(torch.float32)[..., 0]
 
 
 class ShardedExchange(Exchange):
@@ -123,15 +142,11 @@ class ShardedExchange(Exchange):
         self.n_cb = max(col_block) + 1
         self.k, self.cols, self.has_extra = k, cols, has_extra
         self.stats = stats
-        self.width = cols + (1 if has_extra else 0)
-        block = k * self.width
-        counts = [owners.count(q) for q in range(self.size)]
+        self.counts = [owners.count(q) for q in range(self.size)]
         self.owned = [j for j, o in enumerate(owners) if o == rank]
         self.n_own = len(self.owned)
         order = [j for q in range(self.size) for j in range(len(owners)) if owners[j] == q]
         self.order = torch.tensor(order, dtype=torch.long)
-        self.send_splits = [c * block for c in counts]
-        self.recv_splits = [self.n_own * block] * self.size
         # group ranks sorted into grid order (row block major, column block minor)
         grid = sorted(range(self.size), key=lambda g: (row_block[g], col_block[g]))
         self.grid = torch.tensor(grid, dtype=torch.long)
@@ -149,33 +164,43 @@ class ShardedExchange(Exchange):
         self.stats.add(all_to_all_bytes(out_splits, self.rank, out.element_size()))
         return out
 
+    def _width(self, dtype: torch.dtype) -> int:
+        """Columns per row on the wire: the matrix's, then the per-row scalar's."""
+        return self.cols + (extra_columns(dtype) if self.has_extra else 0)
+
+    def _splits(self, width: int) -> tuple[list[int], list[int]]:
+        """(per rank: the elements this rank's shards send it, the elements its owner returns)."""
+        block = self.k * width
+        return [c * block for c in self.counts], [self.n_own * block] * self.size
+
     def gather(self, rows, extra):
         self._to(rows.device)
+        k, c, nrb, ncb, n, width = self.k, self.cols, self.n_rb, self.n_cb, self.n_own, self._width(rows.dtype)
+        send_splits, recv_splits = self._splits(width)
         send = append_extra(rows, extra).index_select(0, self.order).reshape(-1)
-        out = self._all_to_all(send, sum(self.recv_splits), self.recv_splits, self.send_splits)
-        k, c, nrb, ncb, n = self.k, self.cols, self.n_rb, self.n_cb, self.n_own
-        blocks = out.view(self.size, n, k, self.width).index_select(0, self.grid)
-        blocks = blocks.view(nrb, ncb, n, k, self.width)
+        out = self._all_to_all(send, sum(recv_splits), recv_splits, send_splits)
+        blocks = out.view(self.size, n, k, width).index_select(0, self.grid)
+        blocks = blocks.view(nrb, ncb, n, k, width)
         full = blocks[..., :c].permute(2, 0, 3, 1, 4).reshape(n, nrb * k, ncb * c)
         full_extra = None
         if self.has_extra:  # identical on every column block: take the first
-            full_extra = blocks[:, 0, :, :, c].permute(1, 0, 2).reshape(n, nrb * k)
+            full_extra = split_extra(blocks[:, 0], c)[1].permute(1, 0, 2).reshape(n, nrb * k)
         return full, full_extra
 
     def scatter(self, result, extra):
         self._to(result.device)
-        k, c, nrb, ncb, n = self.k, self.cols, self.n_rb, self.n_cb, self.n_own
+        k, c, nrb, ncb, n, width = self.k, self.cols, self.n_rb, self.n_cb, self.n_own, self._width(result.dtype)
+        send_splits, recv_splits = self._splits(width)
         blocks = result.view(n, nrb, k, ncb, c).permute(1, 3, 0, 2, 4)
         if self.has_extra:
-            e = extra.to(result.dtype).view(n, nrb, k).permute(1, 0, 2)
-            e = e.unsqueeze(1).expand(nrb, ncb, n, k).unsqueeze(-1)
-            blocks = torch.cat([blocks, e], dim=-1)
-        send = blocks.reshape(self.size, n, k, self.width).index_select(0, self.ungrid).reshape(-1)
-        out = self._all_to_all(send, sum(self.send_splits), self.send_splits, self.recv_splits)
-        local = torch.empty(len(self.order), k, self.width, dtype=out.dtype, device=out.device)
-        local.index_copy_(0, self.order, out.view(-1, k, self.width))
+            e = extra.view(n, nrb, k).permute(1, 0, 2).unsqueeze(1).expand(nrb, ncb, n, k)
+            blocks = append_extra(blocks, e)
+        send = blocks.reshape(self.size, n, k, width).index_select(0, self.ungrid).reshape(-1)
+        out = self._all_to_all(send, sum(send_splits), send_splits, recv_splits)
+        local = torch.empty(len(self.order), k, width, dtype=out.dtype, device=out.device)
+        local.index_copy_(0, self.order, out.view(-1, k, width))
         if self.has_extra:
-            return local[..., :c], local[..., c]
+            return split_extra(local, c)
         return local, None
 
 
@@ -218,7 +243,27 @@ class ReplicatedExchange(Exchange):
         out = out.index_select(0, self.back)
         if extra is None:
             return out, None
-        return out[..., :-1], out[..., -1]
+        return split_extra(out, result.shape[-1])
+
+
+def summed_over_shards(parts: list[tuple[Exchange, torch.Tensor]], stats: CommStats) -> list[torch.Tensor]:
+    """Each (exchange, local) with local a per-matrix partial sum (N,) over this rank's part of
+    the group's matrices: the sum over the exchange's ranks where a ``ShardedExchange`` cuts
+    them (else local, the whole). One ``all_reduce`` per shard group for all of the groups.
+    Every rank passes its groups in the same order."""
+    out = [local for _, local in parts]
+    by_group: dict[tuple, list[int]] = {}
+    for i, (exchange, local) in enumerate(parts):
+        if isinstance(exchange, ShardedExchange):
+            by_group.setdefault((exchange.group.group_name, local.dtype), []).append(i)
+    for idx in by_group.values():
+        group, size = parts[idx[0]][0].group, parts[idx[0]][0].size
+        flat = torch.cat([parts[i][1] for i in idx])
+        dist.all_reduce(flat, group=group)
+        stats.add(all_reduce_bytes(flat.numel(), size, flat.element_size()))
+        for i, total in zip(idx, flat.split([parts[i][1].numel() for i in idx])):
+            out[i] = total
+    return out
 
 
 def full_row_scores(parts: list[tuple[Exchange, torch.Tensor]], stats: CommStats) -> list[torch.Tensor]:

@@ -112,6 +112,14 @@ class ShapeGroup:
         return self.exchange.moves_data or self.replicas is not None
 
     @property
+    def sends_ns_input(self) -> bool:
+        """Whether the rows that leave this rank go as Newton-Schulz's input (normalized by the
+        whole matrix's norm, in the NS dtype: half the bytes of float32): wherever they move,
+        except to replicas that average them first (compressed sync averages the momentum, in
+        its dtype)."""
+        return self.moves_data and (self.replicas is None or not self.replicas.mean)
+
+    @property
     def batch(self) -> int:
         return sum(m.layout.batch for m in self.members)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim.adamw import adamw
 
-from dion3_titan.dist.comm import CommStats
+from dion3_titan.dist.comm import CommStats, summed_over_shards
 from dion3_titan.dist.layout import describe, to_local, zeros_like_param
 from dion3_titan.dist.plan import PlanEntry, PlanSettings, ShapeGroup, build_groups
 from dion3_titan.dist.replicas import average_over_replicas
@@ -28,7 +28,7 @@ from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.observe import Observer
 from dion3_titan.optim.orthogonalize import NSSettings, ResultCheck, orthogonalize
-from dion3_titan.optim.selection import RowSelector, every_row, is_tall
+from dion3_titan.optim.selection import RowSelector, Selection, every_row, is_tall
 from dion3_titan.optim.split import split_pieces
 from dion3_titan.optim.stages import Aside, Factors, GroupStep, Outcome, RowStats, Stages
 from dion3_titan.optim.stages_engine import RowEngineStages
@@ -354,9 +354,13 @@ class Dion3(torch.optim.Optimizer):
             stats = self._accumulate(steps, moving, factors)
             known = {key: s.l1 for key, s in stats.items()}
             scores = self.selector.scores([(g.sg, g.cfg, g.momenta, known.get(id(g.sg))) for g in steps])
-            for g in steps:
+            picked = [self._select(g, scores.get(id(g.sg)), factors[g.sg.group_index], aside) for g in steps]
+            norms = self._sent_norms(steps, [sel for sel, _ in picked], stats)
+            for g, (sel, rest_decayed) in zip(steps, picked):
                 key = id(g.sg)
-                account(self._step_group(g, stats.get(key), scores.get(key), factors[g.sg.group_index], aside))
+                account(
+                    self._step_group(g, sel, rest_decayed, stats.get(key), factors[g.sg.group_index], norms.get(key))
+                )
 
         device = self._device()
         key = (tuple(id(sg) for sg in groups), self._state_version)  # settings change with the state
@@ -371,26 +375,47 @@ class Dion3(torch.optim.Optimizer):
         cfg = self._configs[sg.group_index]
         return sg.batch * ns_flops(sg.k, sg.cols, cfg.ns_algorithm, cfg.ns_steps, cfg.ns_restarts, symmetric=True)
 
-    def _step_group(
-        self,
-        g: GroupStep,
-        stats: RowStats | None,
-        scores: torch.Tensor | None,
-        factors: Factors,
-        aside: Aside | None = None,
-    ) -> Outcome:
-        """Stages 2-8 of one shape group; returns what the step's counters take from it.
-        ``scores``: its rows' selection scores (``RowSelector.scores``, made for all groups at
-        once). ``aside``: takes work that needs nothing past the selection, to run beside the
-        rest (optim/overlap.py): here the weight decay of the rows not selected."""
-        sg = g.sg
-        stages, moves = self._stages(sg), sg.moves_data
-        sel = self.selector.select(sg, g.cfg, g.momenta, scores)  # 2. select
+    def _select(
+        self, g: GroupStep, scores: torch.Tensor | None, factors: Factors, aside: Aside | None
+    ) -> tuple[Selection, bool]:
+        """2. The rows of one shape group to orthogonalize (``scores``: its entry of
+        ``RowSelector.scores``, made for all groups at once), and whether the weight decay of
+        the rows it leaves out went to ``aside``, which takes work that needs nothing past
+        the selection to run beside the rest (optim/overlap.py)."""
+        sel = self.selector.select(g.sg, g.cfg, g.momenta, scores)
+        stages = self._stages(g.sg)
         rest_decayed = aside is not None and stages.splits_decay(sel, factors)
         if rest_decayed:
             aside(lambda: stages.decay_unselected(g, sel, factors))
+        return sel, rest_decayed
+
+    def _sent_norms(
+        self, steps: list[GroupStep], sels: list[Selection], stats: dict[int, RowStats]
+    ) -> dict[int, torch.Tensor]:
+        """By id(group), for the groups whose rows move as Newton-Schulz's input
+        (``ShapeGroup.sends_ns_input``): each matrix's sum of squares over all of its selected
+        rows, on whichever ranks they are, by which ``pack`` normalizes them. One all-reduce
+        per shard group for all the groups of the step."""
+        sending = [(g, sel) for g, sel in zip(steps, sels) if g.sg.sends_ns_input]
+        parts = [(g.sg.exchange, self._stages(g.sg).selected_sumsq(g, sel, stats.get(id(g.sg)))) for g, sel in sending]
+        return {id(g.sg): total for (g, _), total in zip(sending, summed_over_shards(parts, self.comm_stats))}
+
+    def _step_group(
+        self,
+        g: GroupStep,
+        sel: Selection,
+        rest_decayed: bool,
+        stats: RowStats | None,
+        factors: Factors,
+        norm_sq: torch.Tensor | None,
+    ) -> Outcome:
+        """Stages 3-8 of one shape group for the rows ``sel`` (``rest_decayed``: the weight
+        decay of the others is done apart); returns what the step's counters take from it.
+        ``norm_sq``: the rows move as NS's input, normalized by it (``_sent_norms``)."""
+        sg = g.sg
+        stages, moves = self._stages(sg), sg.moves_data
         tall = is_tall(sg, g.cfg)
-        packed = stages.pack(g, sel, stats, moves, tall, factors)  # 3. pack
+        packed = stages.pack(g, sel, stats, moves, tall, factors, norm_sq)  # 3. pack
         owned, owned_v = packed.x, packed.row_data
         if moves:  # 4. exchange: the rows to their owners
             owned, owned_v = sg.exchange.gather(owned, owned_v)

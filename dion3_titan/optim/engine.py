@@ -103,16 +103,18 @@ def pack(
     mu: float | None = None,
     ok: torch.Tensor | None = None,
     norm_scale: torch.Tensor | None = None,
+    sumsq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The group's (N, K, C) batch in ``dtype``, in one launch: each member's selected rows
     (``rows`` (N, n), None: all rows in order), zero-padded; rows with ``valid`` (N, n) False
     and inactive members (no gradient) are zero. With ``sq`` (N, R) row sums of squares each
     matrix is divided by its Frobenius norm + eps (the NS input, ``orthogonalize``'s
     normalization), times ``norm_scale`` (0-dim) when given: the views hold the momentum
-    that ``sq`` describes times it. ``transposed``: the batch is laid out column-major (for
-    transposed views). ``mu``: the error feedback, the rows packed (valid, of active members)
-    times ``mu`` in place after they are read, unless ``ok`` (0-dim) is zero: ``update`` then
-    gets no momenta."""
+    that ``sq`` describes times it. ``sumsq`` (N,) replaces the sums ``selected_sumsq`` would
+    take from ``sq``: the whole matrix's, where other ranks hold some of its rows or columns.
+    ``transposed``: the batch is laid out column-major (for transposed views). ``mu``: the
+    error feedback, the rows packed (valid, of active members) times ``mu`` in place after
+    they are read, unless ``ok`` (0-dim) is zero: ``update`` then gets no momenta."""
     n, kk, c = shape
     device = views[0].device
     out = (
@@ -121,19 +123,26 @@ def pack(
         else torch.empty(shape, dtype=dtype, device=device)
     )
     den = None
-    if sq is not None:
-        if rows is None:
-            ss = sq.sum(dim=1)
-        else:
-            picked = sq.gather(1, rows)
-            if valid is not None:
-                picked = picked * valid
-            ss = picked.sum(dim=1)
-        den = ss.sqrt() + eps
+    if sumsq is None and sq is not None:
+        sumsq = selected_sumsq(sq, rows, valid)
+    if sumsq is not None:
+        den = sumsq.sqrt() + eps
         if norm_scale is not None:
             den = den * norm_scale
     rk.gather_rows_group(views, rows, out, keep=valid, denominator=den, active=active, cache=tables, mu=mu, ok=ok)
     return out
+
+
+def selected_sumsq(sq: torch.Tensor, rows: torch.Tensor | None, valid: torch.Tensor | None) -> torch.Tensor:
+    """(N,) float32: per matrix, the sum of the row sums of squares ``sq`` (N, R) over the rows
+    ``rows`` (N, n) (None: every row) whose ``valid`` entry is True: the square of the norm of
+    what ``pack`` gathers, without reading the momentum."""
+    if rows is None:
+        return sq.sum(dim=1)
+    picked = sq.gather(1, rows)
+    if valid is not None:
+        picked = picked * valid
+    return picked.sum(dim=1)
 
 
 def gather_row_state(

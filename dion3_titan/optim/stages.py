@@ -134,14 +134,30 @@ class Stages:
         implementation may apply their error feedback here (``RowStats.decayed``)."""
         raise NotImplementedError
 
+    def selected_sumsq(self, g: GroupStep, sel: Selection, stats: RowStats | None) -> torch.Tensor:
+        """(N,) float32, per matrix: the sum of squares of the rows ``pack`` takes, of the
+        momentum as ``stats`` describes it (this rank's part of a matrix that other ranks hold
+        parts of: summed over them it is ``pack``'s ``norm_sq``)."""
+        raise NotImplementedError
+
     def pack(
-        self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool, factors: Factors
+        self,
+        g: GroupStep,
+        sel: Selection,
+        stats: RowStats | None,
+        moves: bool,
+        tall: bool,
+        factors: Factors,
+        norm_sq: torch.Tensor | None = None,
     ) -> Packed:
         """3. The selected rows of the group's momentum (and per-row data), zero-padded to the
         group's fixed block. ``moves``: the batch goes to other ranks (else it is this rank's
-        own NS batch); ``tall``: NS works on its transpose. An implementation may apply the
-        error feedback (the selected momentum rows times ``factors.mu``) here, where it reads
-        those rows anyway; its ``update`` then leaves the momentum alone."""
+        own NS batch); ``tall``: NS works on its transpose. ``norm_sq`` (N,): the rows that
+        move go as Newton-Schulz's input, each matrix divided by the root of its entry + eps
+        and cast to the NS dtype (half the bytes of the momentum's float32). An
+        implementation may apply the error feedback (the selected momentum rows times
+        ``factors.mu``) here, where it reads those rows anyway; its ``update`` then leaves the
+        momentum alone."""
         raise NotImplementedError
 
     def voids_in_kernel(self, moves: bool) -> bool:

@@ -55,43 +55,58 @@ class RowEngineStages(Stages):
         )
         return {id(g.sg): RowStats(*sums[id(g.sg)], done) for g, done in zip(steps, decayed)}
 
+    def selected_sumsq(self, g: GroupStep, sel: Selection, stats: RowStats | None) -> torch.Tensor:
+        return engine.selected_sumsq(stats.sq, None if sel.every_row else sel.rows, sel.valid)
+
     def pack(
-        self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool, factors: Factors
+        self,
+        g: GroupStep,
+        sel: Selection,
+        stats: RowStats | None,
+        moves: bool,
+        tall: bool,
+        factors: Factors,
+        norm_sq: torch.Tensor | None = None,
     ) -> Packed:
-        """Selected rows straight into the NS batch at the backend's Gram side (zero rows past
-        k), normalized and cast, when nothing moves; else into the zero-padded send buffer (the
-        owner normalizes). Either way the same launch applies the error feedback to the rows
-        it reads (4 bytes per selected element written here instead of 8 read and written by
-        the update), unless the accumulate did (``stats.decayed``): the rows read are then mu
-        times the momentum, and so is their norm."""
+        """Selected rows, normalized and cast, straight into the NS batch at the backend's Gram
+        side when nothing moves, else into the send buffer (as the momentum is without
+        ``norm_sq``). The same launch applies the error feedback to the rows it reads (not the
+        update), unless the accumulate did (``stats.decayed``): the rows read are then mu times
+        the momentum, and so is their norm."""
         mu, scale = factors.momentum, None
         if stats is not None and stats.decayed:
             mu, scale = None, factors.mu  # exactly 1 on a step the accumulate left alone
         sg, views = g.sg, g.momenta
-        row_data = None
-        if g.row_states is not None:  # the flavor's per-row state travels with the rows
-            row_data = engine.gather_row_state(g.row_states, sel.rows, sg.k, g.tables)
-        rows = None if sel.every_row else sel.rows
+        # the flavor's per-row state travels with the rows
+        row_data = None if g.row_states is None else engine.gather_row_state(g.row_states, sel.rows, sg.k, g.tables)
+        whole, shape, dtype = self._batch(g, moves, tall, norm_sq)
+        x = engine.pack(
+            views,
+            None if sel.every_row else sel.rows,
+            sel.valid,
+            g.active,
+            shape,
+            dtype,
+            sq=stats.sq if whole else None,
+            eps=g.ns.eps,
+            transposed=whole and sel.every_row and is_transposed_batch(views),
+            tables=g.tables,
+            mu=mu,
+            ok=g.guard.ok,
+            norm_scale=scale,
+            sumsq=norm_sq,
+        )
+        return Packed(x, row_data, whole or norm_sq is not None)
+
+    def _batch(
+        self, g: GroupStep, moves: bool, tall: bool, norm_sq: torch.Tensor | None
+    ) -> tuple[bool, tuple[int, int, int], torch.dtype]:
+        """What ``pack`` writes: (whether it is the whole of this rank's NS batch, the buffer's
+        shape, its dtype)."""
+        sg = g.sg
         if not moves and sg.cols == sg.local_cols and sg.k == sg.selected:
-            x = engine.pack(
-                views,
-                rows,
-                sel.valid,
-                g.active,
-                (sg.batch, sg.k if tall else self._gram_side(g), sg.cols),
-                g.ns.dtype,
-                sq=stats.sq,
-                eps=g.ns.eps,
-                transposed=sel.every_row and is_transposed_batch(views),
-                tables=g.tables,
-                mu=mu,
-                ok=g.guard.ok,
-                norm_scale=scale,
-            )
-            return Packed(x, row_data, True)
-        shape = (sg.batch, sg.k, sg.cols)
-        x = engine.pack(views, rows, sel.valid, g.active, shape, views[0].dtype, tables=g.tables, mu=mu, ok=g.guard.ok)
-        return Packed(x, row_data, False)
+            return True, (sg.batch, sg.k if tall else self._gram_side(g), sg.cols), g.ns.dtype
+        return False, (sg.batch, sg.k, sg.cols), g.momenta[0].dtype if norm_sq is None else g.ns.dtype
 
     @staticmethod
     def _gram_side(g: GroupStep) -> int:

@@ -39,8 +39,21 @@ class ReferenceStages(Stages):
             steps[0].guard.accumulate([momentum(m.param) for m, _ in pairs], [grad for _, grad in pairs])
         return {}
 
+    def selected_sumsq(self, g: GroupStep, sel: Selection, stats: RowStats | None) -> torch.Tensor:
+        # the squared norm: its root gives back the norm's bits, so a matrix whole on this rank
+        # is divided exactly as normalize_batch divides it
+        x = self._selected(g, sel)
+        return torch.linalg.vector_norm(x, dim=(1, 2), dtype=torch.promote_types(x.dtype, torch.float32)).square()
+
     def pack(
-        self, g: GroupStep, sel: Selection, stats: RowStats | None, moves: bool, tall: bool, factors: Factors
+        self,
+        g: GroupStep,
+        sel: Selection,
+        stats: RowStats | None,
+        moves: bool,
+        tall: bool,
+        factors: Factors,
+        norm_sq: torch.Tensor | None = None,
     ) -> Packed:
         sg, views = g.sg, g.momenta
         row_data = None
@@ -51,6 +64,19 @@ class ReferenceStages(Stages):
             # The whole momentum stays here: normalize it straight into the NS batch (one
             # pass over each matrix instead of a float32 copy, its norm, a division and a cast).
             return Packed(normalize_batch(views, g.ns.eps, g.ns.dtype), row_data, True)
+        send = self._selected(g, sel)
+        if norm_sq is not None:  # as orthogonalize normalizes: divided in float32, rounded once
+            den = norm_sq.sqrt() + g.ns.eps
+            send = torch.div(send, den.view(-1, 1, 1), out=torch.empty_like(send, dtype=g.ns.dtype))
+        if sg.cols > sg.local_cols or sg.k > sg.selected:  # (pad copies even when it adds nothing)
+            send = torch.nn.functional.pad(send, (0, sg.cols - sg.local_cols, 0, sg.k - sg.selected))
+        return Packed(send, row_data, norm_sq is not None)
+
+    @staticmethod
+    def _selected(g: GroupStep, sel: Selection) -> torch.Tensor:
+        """(N, selected, local_cols): the selected rows of the group's momentum, zero for an
+        inactive member and where not ``valid``."""
+        views = g.momenta
         if sel.every_row:
             send = _join(views)
         else:
@@ -60,9 +86,7 @@ class ReferenceStages(Stages):
                 send[m.offset : m.offset + m.layout.batch] = 0
         if sel.valid is not None:
             send = send * sel.valid.unsqueeze(-1).to(send.dtype)
-        if sg.cols > sg.local_cols or sg.k > sg.selected:  # (pad copies even when it adds nothing)
-            send = torch.nn.functional.pad(send, (0, sg.cols - sg.local_cols, 0, sg.k - sg.selected))
-        return Packed(send, row_data, False)
+        return send
 
     def normalize(
         self,
