@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from benchmarks.comm_params import Param
-from benchmarks.comm_plan import GroupPlan, Mesh, build_plan, every_row, local_chunk, result_dtype
+from benchmarks.comm_plan import GroupPlan, Mesh, build_plan, every_row, local_chunk, result_scalars
 from dion3_titan.dist.comm import (
     all_gather_bytes,
     all_reduce_bytes,
@@ -130,10 +130,9 @@ class _Recorder:
 def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: Sync, params: list[Param]) -> None:
     mesh, (r, s) = rec.mesh, rec.mesh.coords(rec.rank)
     R = mesh.replicas
-    res = result_dtype(cfg).itemsize
-    ns = cfg.compute_dtype.itemsize  # results cross replicas as Newton-Schulz returns them
+    ns = cfg.compute_dtype.itemsize  # results travel as Newton-Schulz returns them
     row_data = FLAVORS[cfg.flavor].row_data
-    extra = 1 if row_data else 0
+    extra = result_scalars(cfg) * extra_columns(cfg.compute_dtype)  # columns beside a result row
     compressed = sync.mode == "compressed"
     # l1 scores: one collective per step for all shape groups (optim/selection.py RowSelector.scores)
     scored = [g for g in plans if not every_row(g, s, cfg)] if cfg.selection == "l1" else []
@@ -163,11 +162,11 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
                     "optimizer",
                     "results all-gather",
                     "replicate",
-                    all_gather_bytes(share * k * (g.cols[s] + extra), R, res),
+                    all_gather_bytes(share * k * (g.cols[s] + extra), R, ns),
                 )
                 rec.step.ns_flops += (share if R > 1 else n) * _cost(k, g.cols[s], cfg)
             continue
-        block = k * (g.cols[s] + extra)  # the results' (NorMuon's float32 rows carry one column)
+        block = k * (g.cols[s] + extra)  # a result block
         sent = k * (g.cols[s] + (extra_columns(wire) if row_data else 0))
         counts = [g.owners.count(q) for q in range(mesh.shards)]
         rec.all_to_all("optimizer", "rows gather (all-to-all)", [counts[s] * sent] * mesh.shards, wire.itemsize)
@@ -176,7 +175,7 @@ def _optimizer(rec: _Recorder, plans: list[GroupPlan], cfg: Dion3Config, sync: S
         if sync.splits_ns and R > 1:
             _replica_split(rec, own, per, r, mom if compressed else 0, ns)
             own = _share(own, R, r)
-        rec.all_to_all("optimizer", "results scatter (all-to-all)", [c * block for c in counts], res)
+        rec.all_to_all("optimizer", "results scatter (all-to-all)", [c * block for c in counts], ns)
         rec.step.ns_flops += own * _cost(g.n_rb * k, g.n_cb * g.cols[s], cfg)
     if compressed:
         numel = sum(_local_numel(p, mesh, s) for p in params if not p.matrix)

@@ -156,13 +156,14 @@ def build_plan(params: list[Param], cfg: Dion3Config, mesh: Mesh) -> list[GroupP
     return plans
 
 
-def result_dtype(cfg: Dion3Config) -> torch.dtype:
-    """The dtype of the rows an owner sends back: the flavor's normalization of an NS result
-    (Muon: the NS dtype itself; NorMuon: float32)."""
+def result_scalars(cfg: Dion3Config) -> int:
+    """The float32 scalars an owner sends back beside each row of an NS result (which goes in
+    the NS dtype): the flavor's per-row data and the factors of its normalization (Muon: none;
+    NorMuon: its second moment, the row's denominator, the matrix's scale)."""
     flavor = FLAVORS[cfg.flavor]
-    ortho = torch.zeros(1, 1, 1, dtype=cfg.compute_dtype)
+    ortho = torch.ones(1, 1, 1, dtype=cfg.compute_dtype)
     data = torch.ones(1, 1) if flavor.row_data else None
-    return flavor.normalize(ortho, data, cfg, 1)[0].dtype
+    return sum(t is not None for t in flavor.factors(ortho, data, cfg, 1))
 
 
 def every_row(g: GroupPlan, shard: int, cfg: Dion3Config) -> bool:

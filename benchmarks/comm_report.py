@@ -264,8 +264,9 @@ def main(argv=None) -> None:
         "inter_node_gbps": args.inter_node_gbps,
         "ns_tflops": rate,
         "ns_rate_source": source,
-        "dtypes": f"FSDP2 param all-gather {args.param_bytes} B, gradient reduce fp32, momentum rows fp32, "
-        f"results {'fp16' if args.flavor == 'muon' else 'fp32'}",
+        "dtypes": f"FSDP2 param all-gather {args.param_bytes} B, gradient reduce fp32, rows to their owner fp16 "
+        f"(the NS input; fp32 momentum under compressed sync), results fp16 (NorMuon: three float32 scalars "
+        "beside each row)",
     }
     print("Assumptions:")
     for k, v in assumptions.items():

@@ -38,15 +38,15 @@ def _shape(rng, lo=3, hi=300):
 def test_one_matrix_under_fsdp_hand_counted(seed, flavor):
     """One d_out x d_in matrix on S ranks: rank 0 owns it, receives k x W from every other rank
     (fp16, the NS input; NorMuon's float32 second moment in two more columns) and sends each
-    its k x W back (fp16 for Muon, fp32 for NorMuon with one more column); one all-reduce of
-    the matrix's norm before."""
+    its k x W back (fp16, the NS result; NorMuon's new second moment, row denominator and
+    matrix scale in six more columns); one all-reduce of the matrix's norm before."""
     rng = random.Random(seed)
     (d_out, d_in), S = _shape(rng), rng.randint(2, 6)
     f = rng.choice([1.0, 0.25, 0.125])
     cfg = Dion3Config(fraction=f, flavor=flavor)
     steps = _steps(f"w={d_out}x{d_in}", cfg, Mesh(1, S, S))
     k = max(1, math.ceil(f * math.ceil(d_out / S) - 1e-9))
-    sent, width, res = (d_in + 2, d_in + 1, 4) if flavor == "normuon" else (d_in, d_in, 2)
+    sent, width, res = (d_in + 2, d_in + 6, 2) if flavor == "normuon" else (d_in, d_in, 2)
     norm = 2 * (S - 1) * 4  # a ring all-reduce of one float32
     for r, step in enumerate(steps):
         assert _bytes(step, "row norms all-reduce") == norm

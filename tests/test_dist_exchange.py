@@ -1,6 +1,6 @@
 """The shard group's exchange on real gloo ranks: rows reach their owner in the dtype they are
-sent in, and a per-row float32 scalar (NorMuon's second moment) beside them keeps every bit
-whatever that dtype, both ways (float16 rows carry it in two columns)."""
+sent in, and per-row float32 scalars beside them (NorMuon's second moment, its factors) keep
+every bit whatever that dtype, both ways (float16 rows carry each in two columns)."""
 
 import pytest
 import torch
@@ -9,19 +9,19 @@ from tests.spawn import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
-N, K, COLS = 2, 3, 5  # matrices, rows per rank, columns per rank; rank q owns matrix q
+N, K, COLS, E = 2, 3, 5, 3  # matrices, rows per rank, columns per rank, scalars per row; rank q owns matrix q
 LAYOUTS = {"rows": ([0, 1], [0, 0]), "cols": ([0, 0], [0, 1])}  # (row block, column block) per rank
 
 
 def _inputs(seed: int, rank: int, row_block: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s rows (N, K, COLS) and its rows' scalars (N, K): float32 values that no
+    """Rank ``rank``'s rows (N, K, COLS) and its rows' scalars (N, K, E): float32 values that no
     16-bit dtype holds (thirds, tiny and huge magnitudes). Ranks of one row block share the
     scalars, as the optimizer's ranks do."""
     gen = torch.Generator().manual_seed(seed * 100 + rank)
     rows = torch.randn(N, K, COLS, generator=gen).to(dtype)
     gen.manual_seed(seed * 100 + 50 + row_block)
-    scale = 10.0 ** torch.randint(-12, 8, (N, K), generator=gen)
-    extra = (torch.rand(N, K, generator=gen, dtype=torch.float64) / 3 * scale).float()
+    scale = 10.0 ** torch.randint(-12, 8, (N, K, E), generator=gen)
+    extra = (torch.rand(N, K, E, generator=gen, dtype=torch.float64) / 3 * scale).float()
     return rows, extra
 
 
@@ -33,7 +33,7 @@ def _worker(rank, world, seed, out_path):
     results = {}
     for layout, (row_block, col_block) in LAYOUTS.items():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            ex = ShardedExchange(dist.group.WORLD, rank, row_block, col_block, [0, 1], K, COLS, True, CommStats())
+            ex = ShardedExchange(dist.group.WORLD, rank, row_block, col_block, [0, 1], K, COLS, CommStats())
             rows, extra = _inputs(seed, rank, row_block[rank], dtype)
             full, full_extra = ex.gather(rows, extra)
             # the owner sends back its matrix and twice its scalars

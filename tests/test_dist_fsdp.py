@@ -65,10 +65,7 @@ def _run(world, fraction, flavor, scope, n_layers, steps, shapes=SHAPES, device=
     from dion3_titan.dist.comm import ShardedExchange
 
     moving = sum(isinstance(g.exchange, ShardedExchange) for g in opt._groups)
-    from dion3_titan.optim.engine import runs_on
-
-    engine = runs_on(backend, params[0])  # the row engine serves the step's matrices
-    return {"final": final, "ref": weights, "calls": calls, "groups": moving, "engine": engine}
+    return {"final": final, "ref": weights, "calls": calls, "groups": moving}
 
 
 def _worker(rank, world, configs, out_path):
@@ -203,21 +200,3 @@ def test_fsdp_sends_float16_rows_as_the_ns_input(tmp_path):
         for name, (a, b) in zip(TALL, variance):
             rel = ((a - b).abs() / b.abs().clamp(min=1e-12)).max()
             assert rel < FP16_RTOL, (config, name, rel)
-
-
-def test_row_engine_under_fsdp_matches_single_process(tmp_path, monkeypatch):
-    """The row engine's stages (Triton's interpreter on CPU tensors) on 2 ranks: the sums of
-    squares of the moving rows from the accumulate's row statistics, the rows normalized and
-    cast in the pack's one launch, the owner's NS input as sent; the same weights as the
-    textbook update, as the torch stages give them."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    configs = [
-        (0.25, "normuon", "global", 1, 3, ALIGNED, "cpu", "triton"),
-        (1.0, "muon", "local", 1, 3, ALIGNED, "cpu", "triton"),
-    ]
-    out = tmp_path / "engine.pt"
-    spawn(2, _worker, configs, str(out))
-    for config, r in zip(configs, torch.load(out)):
-        assert r["engine"], config
-        for name, got, want in zip(ALIGNED, r["final"], r["ref"]):
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (config[:3], name, (got - want).abs().max())

@@ -69,9 +69,10 @@ def all_reduce_bytes(numel: int, size: int, element_size: int) -> int:
 class Exchange:
     """Single process (or every matrix whole on this rank): nothing moves.
 
-    ``gather(rows, extra)``: rows (N, k, C) of the group's N local matrices, extra (N, k) or
-    None. Returns the owned full matrices (N_own, K, C_full) and their extra (N_own, K).
-    ``scatter(result, extra)`` is its inverse on results.
+    ``gather(rows, extra)``: rows (N, k, C) of the group's N local matrices, extra (N, k, E)
+    float32 per-row scalars or None. Returns the owned full matrices (N_own, K, C_full) and
+    their extra (N_own, K, E). ``scatter(result, extra)`` is its inverse on results. Every
+    rank passes the same E.
     """
 
     moves_data = False  # gather/scatter hand back their input: the owner's batch is the local one
@@ -89,27 +90,31 @@ class Exchange:
 
 def extra_columns(dtype: torch.dtype) -> int:
     """Columns that a float32 per-row scalar takes in rows of ``dtype``: one, or two of a 16-bit
-    dtype, which carry its bits unchanged (the rows of NS's input travel in float16, the
-    NorMuon second moment beside them must not lose precision on the way)."""
+    dtype, which carry its bits unchanged (the rows of NS's input and results travel in
+    float16; NorMuon's second moment and factors beside them must not lose precision)."""
     return 2 if dtype.itemsize == 2 else 1
 
 
 def append_extra(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
-    """x (..., C) with the per-row ``extra`` (...) as its last ``extra_columns`` columns."""
+    """x (..., C) with the per-row float32 scalars ``extra`` (..., E) as its last columns."""
     if extra is None:
         return x
     if extra_columns(x.dtype) == 1:
-        return torch.cat([x, extra.to(x.dtype).unsqueeze(-1)], dim=-1)
-    bits = extra.to(torch.float32).contiguous().view(x.dtype).view(*extra.shape, 2)
-    return torch.cat([x, bits], dim=-1)
+        return torch.cat([x, extra.to(x.dtype)], dim=-1)
+    return torch.cat([x, extra.to(torch.float32).contiguous().view(x.dtype)], dim=-1)
 
 
 def split_extra(x: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``append_extra``'s inverse: (the first ``cols`` columns, the per-row scalar)."""
+    """``append_extra``'s inverse: (the first ``cols`` columns, the per-row scalars (..., E))."""
     tail = x[..., cols:]
-    if tail.shape[-1] == 1:
-        return x[..., :cols], tail[..., 0]
-    return x[..., :cols], tail.contiguous().view(torch.float32)[..., 0]
+    if extra_columns(x.dtype) == 1:
+        return x[..., :cols], tail
+    return x[..., :cols], tail.contiguous().view(torch.float32)
+
+
+def extra_width(dtype: torch.dtype, extra: torch.Tensor | None) -> int:
+    """The columns ``append_extra`` adds to rows of ``dtype``."""
+    return 0 if extra is None else extra.shape[-1] * extra_columns(dtype)
 
 
 class ShardedExchange(Exchange):
@@ -132,7 +137,6 @@ class ShardedExchange(Exchange):
         owners: list[int],
         k: int,
         cols: int,
-        has_extra: bool,
         stats: CommStats,
     ) -> None:
         self.group = group
@@ -140,7 +144,7 @@ class ShardedExchange(Exchange):
         self.size = len(row_block)
         self.n_rb = max(row_block) + 1
         self.n_cb = max(col_block) + 1
-        self.k, self.cols, self.has_extra = k, cols, has_extra
+        self.k, self.cols = k, cols
         self.stats = stats
         self.counts = [owners.count(q) for q in range(self.size)]
         self.owned = [j for j, o in enumerate(owners) if o == rank]
@@ -164,10 +168,6 @@ class ShardedExchange(Exchange):
         self.stats.add(all_to_all_bytes(out_splits, self.rank, out.element_size()))
         return out
 
-    def _width(self, dtype: torch.dtype) -> int:
-        """Columns per row on the wire: the matrix's, then the per-row scalar's."""
-        return self.cols + (extra_columns(dtype) if self.has_extra else 0)
-
     def _splits(self, width: int) -> tuple[list[int], list[int]]:
         """(per rank: the elements this rank's shards send it, the elements its owner returns)."""
         block = self.k * width
@@ -175,33 +175,36 @@ class ShardedExchange(Exchange):
 
     def gather(self, rows, extra):
         self._to(rows.device)
-        k, c, nrb, ncb, n, width = self.k, self.cols, self.n_rb, self.n_cb, self.n_own, self._width(rows.dtype)
+        k, c, nrb, ncb, n = self.k, self.cols, self.n_rb, self.n_cb, self.n_own
+        width = c + extra_width(rows.dtype, extra)
         send_splits, recv_splits = self._splits(width)
         send = append_extra(rows, extra).index_select(0, self.order).reshape(-1)
         out = self._all_to_all(send, sum(recv_splits), recv_splits, send_splits)
         blocks = out.view(self.size, n, k, width).index_select(0, self.grid)
         blocks = blocks.view(nrb, ncb, n, k, width)
         full = blocks[..., :c].permute(2, 0, 3, 1, 4).reshape(n, nrb * k, ncb * c)
-        full_extra = None
-        if self.has_extra:  # identical on every column block: take the first
-            full_extra = split_extra(blocks[:, 0], c)[1].permute(1, 0, 2).reshape(n, nrb * k)
-        return full, full_extra
+        if extra is None:
+            return full, None
+        # identical on every column block: take the first
+        full_extra = split_extra(blocks[:, 0], c)[1].permute(1, 0, 2, 3)
+        return full, full_extra.reshape(n, nrb * k, extra.shape[-1])
 
     def scatter(self, result, extra):
         self._to(result.device)
-        k, c, nrb, ncb, n, width = self.k, self.cols, self.n_rb, self.n_cb, self.n_own, self._width(result.dtype)
+        k, c, nrb, ncb, n = self.k, self.cols, self.n_rb, self.n_cb, self.n_own
+        width = c + extra_width(result.dtype, extra)
         send_splits, recv_splits = self._splits(width)
         blocks = result.view(n, nrb, k, ncb, c).permute(1, 3, 0, 2, 4)
-        if self.has_extra:
-            e = extra.view(n, nrb, k).permute(1, 0, 2).unsqueeze(1).expand(nrb, ncb, n, k)
-            blocks = append_extra(blocks, e)
+        if extra is not None:
+            e = extra.view(n, nrb, k, extra.shape[-1]).permute(1, 0, 2, 3)
+            blocks = append_extra(blocks, e.unsqueeze(1).expand(nrb, ncb, *e.shape[1:]))
         send = blocks.reshape(self.size, n, k, width).index_select(0, self.ungrid).reshape(-1)
         out = self._all_to_all(send, sum(send_splits), send_splits, recv_splits)
         local = torch.empty(len(self.order), k, width, dtype=out.dtype, device=out.device)
         local.index_copy_(0, self.order, out.view(-1, k, width))
-        if self.has_extra:
-            return split_extra(local, c)
-        return local, None
+        if extra is None:
+            return local, None
+        return split_extra(local, c)
 
 
 class ReplicatedExchange(Exchange):

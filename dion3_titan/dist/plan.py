@@ -25,7 +25,6 @@ class PlanSettings:
     fraction: float  # share of rows each matrix contributes per step
     selection_scope: str  # "local": k of each shard's rows; "global": of the whole matrix
     megabatch: bool  # one batch per shape group; False: batches of as many matrices as shards
-    row_data: bool  # one extra column (the flavor's per-row data) travels with the rows
     ns_algorithm: str  # the Newton-Schulz cost that owners are balanced on
     ns_steps: int
     ns_restarts: tuple[int, ...]
@@ -281,7 +280,7 @@ def _plan_group(g: ShapeGroup, h: PlanSettings, stats: CommStats, loads: dict) -
     g.k = block_k(fraction, scope, lay.global_rows, max_rows)
     load = loads.setdefault(id(group), [0.0] * len(row_block))
     owners = assign_owners(load, g.batch, n_rb * g.k, g.col_blocks * g.cols, h)
-    g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, h.row_data, stats)
+    g.exchange = ShardedExchange(group, rank, row_block, col_block, owners, g.k, g.cols, stats)
     if replicas and (compressed or h.replicate_ns == "split"):
         g.replicas = _replica_split(lay, replicas, g.exchange.n_own, compressed, stats)
 

@@ -30,7 +30,7 @@ from dion3_titan.optim.observe import Observer
 from dion3_titan.optim.orthogonalize import NSSettings, ResultCheck, orthogonalize
 from dion3_titan.optim.selection import RowSelector, Selection, every_row, is_tall
 from dion3_titan.optim.split import split_pieces
-from dion3_titan.optim.stages import Aside, Factors, GroupStep, Outcome, RowStats, Stages
+from dion3_titan.optim.stages import Aside, Factors, GroupStep, Normalized, Outcome, RowStats, Stages
 from dion3_titan.optim.stages_engine import RowEngineStages
 from dion3_titan.optim.stages_reference import ReferenceStages
 
@@ -64,7 +64,6 @@ def plan_settings(cfg: Dion3Config) -> PlanSettings:
         fraction=cfg.fraction,
         selection_scope=cfg.selection_scope,
         megabatch=cfg.megabatch,
-        row_data=FLAVORS[cfg.flavor].row_data,
         ns_algorithm=cfg.ns_algorithm,
         ns_steps=cfg.ns_steps,
         ns_restarts=cfg.ns_restarts,
@@ -417,19 +416,35 @@ class Dion3(torch.optim.Optimizer):
         tall = is_tall(sg, g.cfg)
         packed = stages.pack(g, sel, stats, moves, tall, factors, norm_sq)  # 3. pack
         owned, owned_v = packed.x, packed.row_data
-        if moves:  # 4. exchange: the rows to their owners
-            owned, owned_v = sg.exchange.gather(owned, owned_v)
+        if moves:  # 4. exchange: the rows to their owners, their per-row data beside them
+            owned, owned_v = sg.exchange.gather(owned, None if owned_v is None else owned_v.unsqueeze(-1))
+            owned_v = None if owned_v is None else owned_v.squeeze(-1)
         backend = select_backend(g.cfg.backend, tuple(owned.shape), g.cfg.compute_dtype, owned.device)
         ortho, flagged = self._orthogonalize(g, owned, backend, tall, packed.normalized)  # 5. orthogonalize
         if ortho.shape[1] > sg.k and not moves:  # rows packed at the backend's Gram side
             ortho = ortho[:, : sg.k]
         ortho, bad, row_sq = self._checked(g, stages, ortho, moves, flagged)
+        norm = stages.normalize(g, ortho, owned_v, bad, row_sq)  # 6. normalize (the flavor's)
+        mine = self._exchange_back(sg, norm)  # 7. exchange back
         void = bad if stages.voids_in_kernel(moves) else None
-        norm = stages.normalize(g, ortho, owned_v, void, moves, row_sq)  # 6. normalize (the flavor's)
-        result, result_v = sg.exchange.scatter(norm.rows, norm.row_data)  # 7. exchange back
-        result = result[:, : sg.selected, : sg.local_cols]
-        stages.update(g, sel, result, result_v, norm, factors, backend, void, rest_decayed)  # 8. update
-        return Outcome(g, sel, result, norm, factors.lr, void, bad)
+        stages.update(g, sel, mine, factors, backend, void, rest_decayed)  # 8. update
+        return Outcome(g, sel, mine.rows, mine, factors.lr, void, bad)
+
+    @staticmethod
+    def _exchange_back(sg: ShapeGroup, norm: Normalized) -> Normalized:
+        """7. This rank's rows (N, selected, C_local) of the owners' normalized results, with
+        what goes with each row: the flavor's per-row data and the factors the update applies
+        (``den``, and ``scale`` as a column), float32 beside the rows, bit-exact."""
+        if not sg.exchange.moves_data:
+            return Normalized(norm.rows[:, : sg.selected, : sg.local_cols], norm.row_data, norm.den, norm.scale)
+        n, k = norm.rows.shape[:2]
+        fields = [norm.row_data, norm.den, None if norm.scale is None else norm.scale[:, None].expand(n, k)]
+        extra = [f.float() for f in fields if f is not None]
+        rows, got = sg.exchange.scatter(norm.rows, torch.stack(extra, dim=-1) if extra else None)
+        parts = iter(() if got is None else got.movedim(-1, 0).contiguous())  # the kernels take unit strides
+        data, den, scale = (None if f is None else next(parts) for f in fields)
+        rows = rows[:, : sg.selected, : sg.local_cols]
+        return Normalized(rows, data, den, None if scale is None else scale[:, 0].contiguous())
 
     def _account(self, out: Outcome) -> None:
         """The step's counters of one shape group: non-finite NS results, and the metrics."""
@@ -461,7 +476,7 @@ class Dion3(torch.optim.Optimizer):
         too. Such a matrix is zeroed, unless the update voids it itself."""
         row_sq = None
         if flagged is None or g.flavor.reads_row_sums:
-            row_sq = stages.result_row_sums(g, ortho, moves)
+            row_sq = stages.result_row_sums(g, ortho)
         ortho, bad = self.nonfinite.orthogonalized(ortho, stages.voids_in_kernel(moves), row_sq, flagged)
         return ortho, bad, row_sq
 

@@ -167,7 +167,7 @@ def row_sumsq(x: torch.Tensor) -> torch.Tensor:
 def normuon_factors(
     rowsq: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, cols: int, void: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NorMuon (update.normuon_normalize) as factors for the update kernel's epilogue: returns
+    """NorMuon (update.normuon_factors) as factors for the update kernel's epilogue: returns
     (row denominators sqrt(v_new) + eps (N, K), matrix scales ||o|| / ||o_hat|| (N,), v_new)
     from the NS result's rows' sums of squares ``rowsq`` (N, K) (``row_sumsq``), in one small
     launch. ``void`` (N,): matrices taken as zero."""

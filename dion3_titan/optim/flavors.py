@@ -2,8 +2,10 @@
 pipeline, in one place.
 
 A flavor owns its state keys, the per-row data that travels with the selected rows (gathered
-to the owner with them and scattered back), its normalization of the orthogonalized rows on
-the torch reference path, and the factors of the row engine's update epilogue. The pipeline in
+to the owner with them and scattered back), and its normalization of the orthogonalized rows
+as factors that the update applies (row denominators, matrix scales: they travel back beside
+the NS result, which stays in its dtype), computed by torch ops on the reference path and by
+the row engine's kernel on its own. The pipeline in
 dion3.py asks the flavor and never tests its name; a new flavor is one class here and its name
 in ``FLAVORS`` (and in the config's allowed values).
 """
@@ -14,7 +16,7 @@ import torch
 
 from dion3_titan.dist.layout import describe, row_state, to_local
 from dion3_titan.optim.config import Dion3Config
-from dion3_titan.optim.update import normuon_normalize
+from dion3_titan.optim.update import normuon_factors
 
 
 class Flavor:
@@ -31,11 +33,13 @@ class Flavor:
         """(B, R) local view of the member's per-row state (None: the flavor has none)."""
         return None
 
-    def normalize(
+    def factors(
         self, ortho: torch.Tensor, data: torch.Tensor | None, cfg: Dion3Config, cols: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Reference path, on the owner: (update rows, new per-row data) from the NS result."""
-        return ortho, data
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Reference path, on the owner: (row denominators (N, K), matrix scales (N,), new
+        per-row data) of the NS result ``ortho`` (update.apply_row_factors); (None, None, data)
+        when the result is the update as it is."""
+        return None, None, data
 
     def epilogue(
         self,
@@ -72,8 +76,8 @@ class NorMuon(Flavor):
     def rows_state(self, state: dict, member) -> torch.Tensor:
         return member.variance_view(to_local(state[member.variance_key]))
 
-    def normalize(self, ortho, data, cfg, cols):
-        return normuon_normalize(ortho, data, cfg.normuon_beta2, cfg.normuon_eps, cols)
+    def factors(self, ortho, data, cfg, cols):
+        return normuon_factors(ortho, data, cfg.normuon_beta2, cfg.normuon_eps, cols)
 
     def epilogue(self, row_sq, data, cfg, cols, void):
         from dion3_titan.optim import engine

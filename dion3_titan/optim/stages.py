@@ -164,7 +164,7 @@ class Stages:
         """Whether the update zeroes a non-finite NS result itself (no pass over the batch)."""
         return False
 
-    def result_row_sums(self, g: GroupStep, ortho: torch.Tensor, moves: bool) -> torch.Tensor | None:
+    def result_row_sums(self, g: GroupStep, ortho: torch.Tensor) -> torch.Tensor | None:
         """The NS result's rows' sums of squares (N, K) float32 where an implementation computes
         them in one pass, else None. Asked for where the flavor ``reads_row_sums`` (``normalize``
         gets them) or NS's last product did not flag its non-finite matrices (the result's
@@ -177,11 +177,12 @@ class Stages:
         ortho: torch.Tensor,
         row_data: torch.Tensor | None,
         void: torch.Tensor,
-        moves: bool,
         row_sq: torch.Tensor | None,
     ) -> Normalized:
         """6. The flavor's normalization of the owner's NS results (``void``: matrices taken as
-        zero; ``row_sq``: ``result_row_sums``)."""
+        zero; ``row_sq``: ``result_row_sums``). In the form whose ``den``/``scale`` the update
+        applies (the rows stay the NS result, in its dtype: half the bytes of float32 on the
+        way back to the shards), or as normalized rows."""
         raise NotImplementedError
 
     def splits_decay(self, sel: Selection, factors: Factors) -> bool:
@@ -197,8 +198,6 @@ class Stages:
         self,
         g: GroupStep,
         sel: Selection,
-        result: torch.Tensor,
-        row_data: torch.Tensor | None,
         norm: Normalized,
         factors: Factors,
         backend: Backend,
@@ -208,8 +207,8 @@ class Stages:
         """8. Weight decay on every row (on the selected ones only when ``rest_decayed``:
         ``decay_unselected`` takes the others), the update of the selected rows (one
         rounding), the error-feedback decay of their momentum (unless ``pack`` applied it) and
-        the flavor's new per-row state. ``result``
-        (N, selected, C_local): this rank's rows of the results; ``row_data`` their per-row data."""
+        the flavor's new per-row state. ``norm``: this rank's rows of the normalized results
+        (N, selected, C_local), their per-row data and factors."""
         raise NotImplementedError
 
 

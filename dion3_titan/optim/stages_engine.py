@@ -118,11 +118,11 @@ class RowEngineStages(Stages):
     def voids_in_kernel(self, moves: bool) -> bool:
         return not moves
 
-    def result_row_sums(self, g: GroupStep, ortho: torch.Tensor, moves: bool) -> torch.Tensor | None:
+    def result_row_sums(self, g: GroupStep, ortho: torch.Tensor) -> torch.Tensor | None:
         # for the finiteness check too where NS's last product did not flag its result: this one
         # Triton pass runs near the memory rate where torch's per-matrix max reduction did not
         # (docs/benchmarks.md)
-        return engine.row_sumsq(ortho) if not moves else None
+        return engine.row_sumsq(ortho)
 
     def normalize(
         self,
@@ -130,15 +130,13 @@ class RowEngineStages(Stages):
         ortho: torch.Tensor,
         row_data: torch.Tensor | None,
         void: torch.Tensor,
-        moves: bool,
         row_sq: torch.Tensor | None,
     ) -> Normalized:
+        # the update kernel applies it (epilogue), from result_row_sums' row sums; where the
+        # rows move, its factors travel beside them
         cols = g.members[0].layout.global_cols
-        if not moves:  # the update kernel applies it (epilogue), from result_row_sums' row sums
-            den, scale, data = g.flavor.epilogue(row_sq, row_data, g.cfg, cols, void)
-            return Normalized(ortho, data, den, scale)
-        rows, data = g.flavor.normalize(ortho, row_data, g.cfg, cols)
-        return Normalized(rows, data)
+        den, scale, data = g.flavor.epilogue(row_sq, row_data, g.cfg, cols, void)
+        return Normalized(ortho, data, den, scale)
 
     def splits_decay(self, sel: Selection, factors: Factors) -> bool:
         return factors.decays and not sel.every_row
@@ -151,8 +149,6 @@ class RowEngineStages(Stages):
         self,
         g: GroupStep,
         sel: Selection,
-        result: torch.Tensor,
-        row_data: torch.Tensor | None,
         norm: Normalized,
         factors: Factors,
         backend: Backend,
@@ -167,11 +163,13 @@ class RowEngineStages(Stages):
             slot = engine.slots(sel.rows, sel.valid, sg.local_rows)
         elif not sel.every_row:
             rows = engine.applied_rows(sel.rows, sel.valid)
-        row_state = None if g.row_states is None else engine.RowState(g.row_states, row_data[:, : sg.selected].float())
+        row_state = (
+            None if g.row_states is None else engine.RowState(g.row_states, norm.row_data[:, : sg.selected].float())
+        )
         engine.update(
             g.weights,
             None,  # the error feedback was applied by pack
-            result,
+            norm.rows,
             slot,
             factors.lr,
             factors.decay if factors.decays else None,

@@ -10,7 +10,7 @@ from dion3_titan.optim.moving_grads import MovingGradients
 from dion3_titan.optim.orthogonalize import is_transposed_batch, normalize_batch
 from dion3_titan.optim.selection import Selection
 from dion3_titan.optim.stages import Factors, GroupStep, Normalized, Packed, RowStats, Stages, gradients_once
-from dion3_titan.optim.update import apply_update, take_rows
+from dion3_titan.optim.update import apply_row_factors, apply_update, take_rows
 
 
 def _join(views: list[torch.Tensor]) -> torch.Tensor:
@@ -94,41 +94,40 @@ class ReferenceStages(Stages):
         ortho: torch.Tensor,
         row_data: torch.Tensor | None,
         void: torch.Tensor,
-        moves: bool,
         row_sq: torch.Tensor | None,
     ) -> Normalized:
-        rows, data = g.flavor.normalize(ortho, row_data, g.cfg, g.members[0].layout.global_cols)
-        return Normalized(rows, data)
+        den, scale, data = g.flavor.factors(ortho, row_data, g.cfg, g.members[0].layout.global_cols)
+        return Normalized(ortho, data, den, scale)
 
     def update(
         self,
         g: GroupStep,
         sel: Selection,
-        result: torch.Tensor,
-        row_data: torch.Tensor | None,
         norm: Normalized,
         factors: Factors,
         backend: Backend,
         void: torch.Tensor | None,
         rest_decayed: bool = False,
     ) -> None:
-        """Each member's update with error feedback, then its per-row state written back."""
+        """Each member's update (with the flavor's factors) and error feedback, then its state."""
         if rest_decayed:
             raise ValueError("ReferenceStages.update: it decays every row itself (splits_decay is False)")
         rows_of, valid_of = sel.rows_of(g.members), sel.valid_of(g.members)
+        updates = norm.rows
+        if norm.den is not None:
+            updates = apply_row_factors(updates, norm.den[:, : g.sg.selected], norm.scale)
         for i, m in enumerate(g.members):
             if not g.active[i]:
                 continue
             sl = slice(m.offset, m.offset + m.layout.batch)
             rows, valid = rows_of[i], valid_of[i]
-            lr = factors.lr * m.lr_scale
             apply_update(
                 g.weights[i],
                 g.momenta[i],
-                result[sl],
+                updates[sl],
                 rows,
                 valid,
-                lr,
+                factors.lr * m.lr_scale,
                 factors.decay,
                 factors.mu,
                 backend,
@@ -136,7 +135,7 @@ class ReferenceStages(Stages):
             )
             if g.row_states is not None:
                 state = g.row_states[i]
-                new, old = row_data[sl, : g.sg.selected].float(), state.gather(1, rows)
+                new, old = norm.row_data[sl, : g.sg.selected].float(), state.gather(1, rows)
                 if valid is not None:
                     new = torch.where(valid, new, old)
                 state.scatter_(1, rows, g.guard.keep(new, old))

@@ -48,21 +48,36 @@ def take_rows(m: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return m.gather(1, row_index(rows, m.shape[-1]))
 
 
+def normuon_factors(
+    o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NorMuon on orthogonalized rows o (N, k, C), in float32 (paper Sec. 6: lower precision
+    here hurt), as factors: (row denominators sqrt(v_new) + eps (N, k), matrix scales (N,),
+    v_new). v (N, k) is the rows' second moment; ``cols`` the real column count (o may carry
+    zero padding columns). ``apply_row_factors`` makes the normalized rows: each divided by
+    its denominator, the whole matrix rescaled to o's Frobenius norm."""
+    o32 = o.float()
+    v_new = v.float() * beta2 + (1.0 - beta2) * o32.square().sum(dim=-1) / cols
+    den = v_new.sqrt() + eps
+    norm_o = torch.linalg.vector_norm(o32, dim=(-2, -1))
+    norm_hat = torch.linalg.vector_norm(o32 / den.unsqueeze(-1), dim=(-2, -1))
+    # A zero input (e.g. the lr=0 zero-gradient step that creates checkpoint state) stays zero.
+    return den, norm_o / norm_hat.clamp_min(torch.finfo(torch.float32).tiny), v_new
+
+
+def apply_row_factors(o: torch.Tensor, den: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """o (N, k, C) in float32, each row divided by ``den`` (N, k), each matrix times ``scale``
+    (N,): where the factors of ``normuon_factors`` travel with NS's result, the receiver's rows
+    are the owner's to the bit."""
+    return o.float() / den.unsqueeze(-1) * scale[:, None, None]
+
+
 def normuon_normalize(
     o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, cols: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NorMuon on orthogonalized rows o (N, k, C), in float32 (paper Sec. 6: lower precision
-    here hurt). v (N, k) is the rows' second moment; ``cols`` the real column count (o may carry
-    zero padding columns). Returns (o_hat, new v) where o_hat's rows
-    are divided by sqrt(v) + eps and the whole matrix is rescaled to o's Frobenius norm."""
-    o32 = o.float()
-    v_new = v.float() * beta2 + (1.0 - beta2) * o32.square().sum(dim=-1) / cols
-    o_hat = o32 / (v_new.sqrt() + eps).unsqueeze(-1)
-    norm_o = torch.linalg.vector_norm(o32, dim=(-2, -1), keepdim=True)
-    norm_hat = torch.linalg.vector_norm(o_hat, dim=(-2, -1), keepdim=True)
-    # A zero input (e.g. the lr=0 zero-gradient step that creates checkpoint state) stays zero.
-    o_hat = o_hat * (norm_o / norm_hat.clamp_min(torch.finfo(torch.float32).tiny))
-    return o_hat, v_new
+    """NorMuon's normalized rows and new second moment, (o_hat, v_new) (``normuon_factors``)."""
+    den, scale, v_new = normuon_factors(o, v, beta2, eps, cols)
+    return apply_row_factors(o, den, scale), v_new
 
 
 def apply_update(
