@@ -71,9 +71,10 @@ class Packed:
 
 @dataclass(frozen=True)
 class Normalized:
-    """The flavor's normalization of the orthogonalized rows, on the owner: the rows to apply
-    and their new per-row data, or (with ``den``/``scale``) the NS result and the factors the
-    update kernel applies itself."""
+    """The flavor's normalization of the orthogonalized rows: the NS result (in its dtype), the
+    rows' new per-row data, and the factors the update applies, each row divided by its
+    ``den`` and each matrix times its ``scale`` (None: the result is the update as it is). On
+    the owner, or (``Dion3._exchange_back``) a shard's rows of it."""
 
     rows: torch.Tensor
     row_data: torch.Tensor | None
@@ -180,9 +181,9 @@ class Stages:
         row_sq: torch.Tensor | None,
     ) -> Normalized:
         """6. The flavor's normalization of the owner's NS results (``void``: matrices taken as
-        zero; ``row_sq``: ``result_row_sums``). In the form whose ``den``/``scale`` the update
-        applies (the rows stay the NS result, in its dtype: half the bytes of float32 on the
-        way back to the shards), or as normalized rows."""
+        zero; ``row_sq``: ``result_row_sums``), as the factors the update applies: the rows
+        stay the NS result, in its dtype (half the bytes of float32 on the way back to the
+        shards)."""
         raise NotImplementedError
 
     def splits_decay(self, sel: Selection, factors: Factors) -> bool:
