@@ -9,6 +9,8 @@
 #          the symmetric products vs quack's                                        ~4 min
 #   host   the eager step's host time (7b, 8 layers, NorMuon f = 1/4, norm given)   ~2 min
 #   train  real torchtitan training, llama3 1B: AdamW, Dion3 f = 1/4 and 1/8         ~8 min
+#   dist   two GPUs: the NCCL tests (tests/gpu -m multigpu), and the 7b step (8 layers,
+#          NorMuon f = 1/4 and f = 1) under FSDP2 beside microsoft/dion, with its bytes  ~6 min
 #
 #   bash scripts/gpu_check.sh PART...      # results and logs under $OUT (default ./gpu_out)
 #
@@ -56,8 +58,17 @@ for part in "$@"; do
     train)
         run "$PY" scripts/bench_train.py --only adamw,dion3_f1/4,dion3_f1/8 --steps 40 --warmup 10 --out "$OUT"
         ;;
+    dist)
+        run "$PY" -m pytest -q -p no:cacheprovider -m multigpu tests/gpu 2>&1 | tee "$OUT/gpu_tests_multigpu.log"
+        n=0
+        for only in "dion3_f1/4+graph+norm,dion_f1/4+graph" "dion3_f1_gram+graph+norm,dion_f1+graph"; do
+            n=$((n + 1))
+            run "$PY" -m torch.distributed.run --nproc_per_node 2 scripts/bench_step.py --model 7b --layers 8 \
+                --flavor normuon --gram-algorithm auto --only "$only" --steps 10 --out "$OUT/step_7b_normuon_w2_$n.json"
+        done
+        ;;
     *)
-        echo "gpu_check.sh: unknown part '$part'; the parts are: tests step ns host train" >&2
+        echo "gpu_check.sh: unknown part '$part'; the parts are: tests step ns host train dist" >&2
         exit 2
         ;;
     esac

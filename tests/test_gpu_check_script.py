@@ -20,7 +20,7 @@ def test_script_parses_and_refuses_an_unknown_part(tmp_path):
     env = {"PYTHON": "false", "OUT": str(tmp_path)}  # nothing runs before the unknown part
     proc = subprocess.run(["bash", str(SCRIPT), "nope", "tests"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2
-    assert "unknown part 'nope'; the parts are: tests step ns host train" in proc.stderr
+    assert "unknown part 'nope'; the parts are: tests step ns host train dist" in proc.stderr
 
 
 def test_step_rows_are_rows_bench_step_builds(monkeypatch):
@@ -29,6 +29,10 @@ def test_step_rows_are_rows_bench_step_builds(monkeypatch):
     monkeypatch.setattr(step_configs, "anchor_module", lambda: (object(), "stand-in"))
     lines = re.findall(r'step_rows (\S+) (\S+) (\S+) "([^"]+)"', SCRIPT.read_text())
     assert len(lines) == 4
+    # the dist part's rows: the 7b model with NorMuon, under torchrun
+    lines += [
+        ("7b", "8", "normuon", only) for only in re.findall(r'for only in "([^"]+)" "([^"]+)"', SCRIPT.read_text())[0]
+    ]
     for model, layers, flavor, only in lines:
         args = bench_step.parse_args(["--model", model, "--layers", layers, "--flavor", flavor, "--only", only])
         names = {c.name for c in step_configs.build_configs(args)}
