@@ -112,7 +112,12 @@ def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anch
     timed ``rounds`` times in alternating order (A B C, C B A, ...); each row gets the medians
     and every timing under "interleaved", and its backends' and the chosen one's ratio to the
     anchor from those medians. One column's single timing drifts by up to 5-10% over a call on
-    these cards, more than the differences "auto"'s table is chosen from."""
+    these cards, more than the differences "auto"'s table is chosen from. The dense 8192^3 fp16
+    product runs in the same rounds ("dense"): under the card's power limit its rate depends on
+    the card's state as much as ours does, so each row also gets its share of that rate."""
+    dense_n = 8192
+    a = torch.randn(1, dense_n, dense_n, device="cuda", dtype=torch.float16)
+    b = torch.randn(1, dense_n, dense_n, device="cuda", dtype=torch.float16)
     for row in rows:
         batch, n, m = (int(v) for v in row["shape"].split("x"))
         x = torch.randn(batch, n, m, device="cuda", dtype=torch.bfloat16)
@@ -128,6 +133,7 @@ def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anch
                 fns[f"{name}[{variant}]"] = run
         if anchor is not None and "gram_newton_schulz" in row:
             fns["anchor"] = lambda x=x: anchor(x)
+        fns["dense"] = lambda: torch.bmm(a, b)
         times: dict[str, list[float]] = {name: [] for name in fns}
         cards: dict[str, list[dict | None]] = {name: [] for name in fns}
         for r in range(rounds):
@@ -137,17 +143,23 @@ def interleaved(rows: list[dict], rounds: int, auto: NSSettings, ops: dict, anch
         medians = {name: statistics.median(ts) for name, ts in times.items()}
         row["interleaved"] = {"rounds": rounds, "median": medians, "all": times, "card_after": cards}
         chosen = row.get("auto_backend")
+        dense_tflops = 2 * dense_n**3 / medians["dense"] / 1e9
+        row["interleaved"]["dense_fp16_tflops"] = dense_tflops
         if "anchor" in medians:
             for name in medians:
-                if name != "anchor":
+                if name not in ("anchor", "dense"):
                     row["interleaved"][f"{name}_vs_anchor"] = medians[name] / medians["anchor"]
         if chosen in medians:
             row["interleaved"]["auto"] = medians[chosen]
             row["interleaved"]["fraction_of_dense"] = row["floor_ms"] / medians[chosen]
+            floor = floor_ms(batch, n, m, dense_tflops)
+            row["interleaved"]["fraction_of_dense_same_rounds"] = floor / medians[chosen]
         spread = {name: f"{min(ts):.2f}-{max(ts):.2f}" for name, ts in times.items()}
         print("interleaved", row["shape"], json.dumps(medians), "range", json.dumps(spread), flush=True)
         clocks = {name: [c["sm_mhz"] if c else None for c in states] for name, states in cards.items()}
         print("  SM MHz after each timing", json.dumps(clocks), flush=True)
+        shares = {k: round(v, 3) for k, v in row["interleaved"].items() if k.startswith("fraction_of_dense")}
+        print(f"  dense fp16 in these rounds {dense_tflops:.0f} TFLOP/s; shares {json.dumps(shares)}", flush=True)
         del x
         torch.cuda.empty_cache()
 
