@@ -8,7 +8,8 @@
 #   ns     Newton-Schulz alone on the batches of the targets vs gram-newton-schulz, and
 #          the symmetric products vs quack's                                        ~4 min
 #   host   the eager step's host time (7b, 8 layers, NorMuon f = 1/4, norm given)   ~2 min
-#   train  real torchtitan training, llama3 1B: AdamW, Dion3 f = 1/4 and 1/8         ~8 min
+#   train  real torchtitan training, llama3 1B: AdamW, Dion3 f = 1/4 and 1/8, two rounds in
+#          alternating order (one round's tokens/s ratios move with the run order)      ~5 min
 #   dist   two GPUs: the NCCL tests (tests/gpu -m multigpu), and the 7b step (8 layers,
 #          NorMuon f = 1/4 and f = 1) under FSDP2 beside microsoft/dion, with its bytes  ~6 min
 #
@@ -56,7 +57,7 @@ for part in "$@"; do
         run "$PY" scripts/profile_host.py --model 7b --layers 8 --given-norm 2>&1 | tee "$OUT/profile_host.log"
         ;;
     train)
-        run "$PY" scripts/bench_train.py --only adamw,dion3_f1/4,dion3_f1/8 --steps 40 --warmup 10 --out "$OUT"
+        run "$PY" scripts/bench_train.py --only adamw,dion3_f1/4,dion3_f1/8 --steps 40 --warmup 10 --rounds 2 --out "$OUT"
         ;;
     dist)
         run "$PY" -m pytest -q -p no:cacheprovider -m multigpu tests/gpu 2>&1 | tee "$OUT/gpu_tests_multigpu.log"
