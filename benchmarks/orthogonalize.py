@@ -9,7 +9,8 @@ and the FLOP floor (kernels/flops.py, symmetric products at half cost, of the re
 shape) at two dense fp16 rates measured in the same run: 8192^3 and a batched product of the
 shape's own size, (batch, n, n) @ (batch, n, m). ``--variants`` also times "auto" with kernel
 switches turned (the Triton GEMM of kernels/triton_mm.py for A @ B + C, A @ B or both, in place
-of cuBLAS; the CuteDSL general mode off) in the same run, and in the
+of cuBLAS; the CuteDSL general mode off; the batch in one piece rather than in halves on two
+streams) in the same run, and in the
 alternating rounds of ``--rounds``.
 Then the symmetric GEMM against cuBLAS bmm/baddbmm at batch 4, n = 2048, 4096, 8192 (k = n).
 Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up, on random inputs.
@@ -37,6 +38,7 @@ from benchmarks.timing import graph_ms, matmul_tflops
 from dion3_titan.kernels import cute_symm, triton_mm, triton_ops
 from dion3_titan.kernels.dispatch import get_backend, select_backend
 from dion3_titan.kernels.flops import ns_flops
+from dion3_titan.optim import orthogonalize as orthogonalize_module
 from dion3_titan.optim.config import MUON_QUINTIC, coefficient_schedule
 from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
 
@@ -54,6 +56,8 @@ VARIANTS = {
     "sym_tile_only": [(triton_ops, "TMA_MIN_KSTEPS_PER_SM", 2**40)],
     # CuteDSL backend switches (timed on the cute backend)
     "cute_no_general": [(cute_symm, "GENERAL", 0)],
+    # the batch in one piece on one stream, not in halves on two (optim/orthogonalize.py)
+    "cute_one_batch": [(orthogonalize_module, "HALVES_MIN_FLOPS", float("inf"))],
 }
 SYM_SIDES = (2048, 4096, 8192)
 SWEEP = [  # (BLOCK, BLOCK_K, GROUP, num_warps, num_stages)

@@ -205,10 +205,10 @@ class FlaggingCorruptOneGram(CorruptOneGram):
 
     checked = 0
 
-    def mm_checked(self, a, b, c, alpha, beta, flags):
+    def mm_checked(self, a, b, c, alpha, beta, flags, out=None):
         from dion3_titan.optim.nonfinite import nonfinite_matrices
 
-        out = self.ops.mm(a, b) if c is None else self.ops.mm_add(a, b, c, alpha, beta)
+        out = self.ops.mm(a, b, out) if c is None else self.ops.mm_add(a, b, c, alpha, beta, out)
         flags[nonfinite_matrices(out)] = 1
         self.checked += 1
         return out

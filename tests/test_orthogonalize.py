@@ -6,14 +6,17 @@ import pytest
 import torch
 
 from dion3_titan.kernels.torch_ops import TorchOps
+from dion3_titan.optim import orthogonalize as orthogonalize_module
 from dion3_titan.optim.config import POLAR_EXPRESS, Dion3Config, coefficient_schedule
 from dion3_titan.optim.nonfinite import NonfiniteGuard
 from dion3_titan.optim.orthogonalize import (
     NSSettings,
+    ResultCheck,
     gram_newton_schulz,
     is_transposed_batch,
     normalize_batch,
     orthogonalize,
+    runs_in_halves,
     standard_newton_schulz,
 )
 from tests.reference import ns_polynomial_via_svd
@@ -376,3 +379,55 @@ def test_triton_gram_side_is_whole_tiles():
 
     ops = TritonOps()
     assert [ops.gram_side(n) for n in (64, 128, 129, 2752, 2816, 4096)] == [64, 128, 256, 2816, 2816, 4096]
+
+
+# ------------------------------------------------------------------------------ halves on two streams
+class _FlaggingOps(TorchOps):
+    """The torch backend with a checked product, flagging as a kernel's epilogue would."""
+
+    def mm_checked(self, a, b, c, alpha, beta, flags, out=None):
+        result = self.mm(a, b, out) if c is None else self.mm_add(a, b, c, alpha, beta, out)
+        flags[~torch.isfinite(result).flatten(1).all(1)] = 1
+        return result
+
+
+@pytest.mark.parametrize("steps", [5, 0], ids=["five", "none"])
+@pytest.mark.parametrize("algorithm", ["gram", "standard"])
+@pytest.mark.parametrize("shape", [(5, 12, 40), (5, 40, 12), (4, 16, 16)], ids=["wide", "tall", "square"])
+def test_halves_are_bit_identical_to_one_batch(steps, algorithm, shape, seed, monkeypatch):
+    """A batch run in two halves (each on a stream of its own on a GPU, one after the other
+    here) gives the one-batch result bit for bit, in the same memory order, and the last
+    product's flags of both halves joined (a matrix of the second half made non-finite); with
+    no iterations the halves' results are their normalized inputs, copied into one batch."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    x[3, 1, 2] = float("inf")
+    settings = NSSettings(algorithm, PE[:steps], (2,), torch.float32)
+    ops = _FlaggingOps()
+    assert not runs_in_halves(x), "the default threshold keeps small batches whole"
+    whole_check, halves_check = ResultCheck(), ResultCheck()
+    whole = orthogonalize(x, settings, ops, check=whole_check)
+    monkeypatch.setattr(orthogonalize_module, "HALVES_MIN_FLOPS", 0)
+    halves = orthogonalize(x, settings, ops, check=halves_check)
+    torch.testing.assert_close(halves, whole, rtol=0, atol=0, equal_nan=True, msg=f"seed {seed}")
+    if steps:  # (with none, the one batch is the normalized input, in its memory order)
+        assert halves.stride() == whole.stride(), f"seed {seed}"
+        assert halves_check.bad.tolist() == whole_check.bad.tolist() == [False, False, False, True, False][: shape[0]]
+    else:  # no product ran: nothing flagged (the caller checks the result itself)
+        assert halves_check.bad is None and whole_check.bad is None
+
+
+def test_halves_only_where_they_pay():
+    """Halves where a half's X X^T is at least HALVES_MIN_FLOPS (32 x 2048^2, 16 x 2816 x 4096),
+    not for one matrix, small products (the 7B shapes' 1024-row batches) or under ``leave_sms``
+    (the step's costliest group beside the others: their work fills the SMs instead)."""
+    from dion3_titan.kernels.tma import leave_sms
+
+    def batch(*shape):
+        return torch.empty(*shape, device="meta")
+
+    assert runs_in_halves(batch(32, 2048, 2048)) and runs_in_halves(batch(16, 2816, 4096))
+    assert not runs_in_halves(batch(1, 8192, 8192))
+    assert not runs_in_halves(batch(32, 1024, 4096))
+    with leave_sms(1):
+        assert not runs_in_halves(batch(32, 2048, 2048))

@@ -40,7 +40,9 @@ def normalized_buffer(x: torch.Tensor, dtype: torch.dtype, side: int) -> torch.T
 
 
 class Backend:
-    """Batched ops on (L, n, k) operands. Results are new tensors unless stated."""
+    """Batched ops on (L, n, k) operands. Results are new tensors unless stated; the general
+    products also write into ``out`` where given (a contiguous tensor of the result's shape and
+    dtype: Newton-Schulz's halves put their results into one batch that way)."""
 
     name: str = "abstract"
 
@@ -59,11 +61,19 @@ class Backend:
         backend's kernels take their fastest form."""
         return n
 
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """a @ b."""
         raise NotImplementedError
 
-    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    def mm_add(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        alpha: float,
+        beta: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """alpha * (a @ b) + beta * c."""
         raise NotImplementedError
 
@@ -75,6 +85,7 @@ class Backend:
         alpha: float,
         beta: float,
         flags: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """alpha * (a @ b) (+ beta * c where c is given), whose kernel also sets ``flags[i]`` (an
         (L,) int32 tensor) to 1 for each matrix i of the result holding a NaN or inf, in its

@@ -834,9 +834,17 @@ class CuteOps(TritonOps):
                 "use backend='triton' or 'auto'"
             )
 
-    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        out = gemm(a, b, c, alpha, beta) if GENERAL else None
-        return out if out is not None else super().mm_add(a, b, c, alpha, beta)
+    def mm_add(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        alpha: float,
+        beta: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        result = gemm(a, b, c, alpha, beta, out=out) if GENERAL else None
+        return result if result is not None else super().mm_add(a, b, c, alpha, beta, out)
 
     def mm_checked(
         self,
@@ -846,10 +854,11 @@ class CuteOps(TritonOps):
         alpha: float,
         beta: float,
         flags: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         # Gram NS's Q X too: the general mode measured level with cuBLAS there
-        out = gemm(a, b, c, alpha, beta, flags=flags) if GENERAL else None
-        return out if out is not None else super().mm_checked(a, b, c, alpha, beta, flags)
+        result = gemm(a, b, c, alpha, beta, out=out, flags=flags) if GENERAL else None
+        return result if result is not None else super().mm_checked(a, b, c, alpha, beta, flags, out)
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = sym_gemm(a, b)

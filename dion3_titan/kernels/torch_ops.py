@@ -39,11 +39,19 @@ def mirror_lower(x: torch.Tensor) -> torch.Tensor:
 class TorchOps(Backend):
     name = "torch"
 
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(a, b)
+    def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.bmm(a, b, out=out)
 
-    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+    def mm_add(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        alpha: float,
+        beta: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha, out=out)
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return mirror_lower(torch.bmm(a, b))

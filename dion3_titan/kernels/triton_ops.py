@@ -567,13 +567,21 @@ class TritonOps(TorchOps):
         gather_rows(x, None, out, denominator=norm_denominator(x, eps).view(-1))
         return out
 
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = self._mm(a, b, None, 1.0, 0.0)
-        return out if out is not None else super().mm(a, b)
+    def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        result = self._mm(a, b, None, 1.0, 0.0, out=out)
+        return result if result is not None else super().mm(a, b, out)
 
-    def mm_add(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        out = self._mm(a, b, c, alpha, beta)
-        return out if out is not None else super().mm_add(a, b, c, alpha, beta)
+    def mm_add(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        alpha: float,
+        beta: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        result = self._mm(a, b, c, alpha, beta, out=out)
+        return result if result is not None else super().mm_add(a, b, c, alpha, beta, out)
 
     def mm_checked(
         self,
@@ -583,11 +591,12 @@ class TritonOps(TorchOps):
         alpha: float,
         beta: float,
         flags: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         # where mm / mm_add would run the TMA GEMM (not cuBLAS): the check rides on its epilogue
-        return self._mm(a, b, c, alpha, beta, flags)
+        return self._mm(a, b, c, alpha, beta, flags, out)
 
-    def _mm(self, a, b, c, alpha, beta, flags=None) -> torch.Tensor | None:
+    def _mm(self, a, b, c, alpha, beta, flags=None, out=None) -> torch.Tensor | None:
         """The persistent TMA GEMM where it is switched on (MM_CONFIG for A B, ``add_config``
         with C) and the operands fit it; None sends the product to cuBLAS. ``flags``:
         ``mm_checked``'s."""
@@ -599,7 +608,7 @@ class TritonOps(TorchOps):
             return None
         # one fallback record per compiled variant: a config may fit shared memory without C only
         name = f"mm_tma{config}{'+c' if c is not None else ''}{'+check' if flags is not None else ''}"
-        return launch_or_none(name, lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config, flags=flags))
+        return launch_or_none(name, lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config, out=out, flags=flags))
 
     def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not self._runs(a):

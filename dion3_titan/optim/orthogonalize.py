@@ -3,15 +3,32 @@
 Both take a batch X of shape (B, n, m) in either orientation and return approximately
 polar(X) = U V^T with the same shape, in the compute dtype. Every matrix product goes through
 a ``Backend`` so the same code runs on torch, Triton or CuteDSL kernels.
+
+A large batch runs as two halves, each on a CUDA stream of its own (``in_halves``). Each
+product's persistent kernel ends in a last wave of tiles that leaves most SMs idle (32 x 2048^2:
+the general product's 2048 pair tiles are 31.03 waves of the 66 clusters of an H100 or H200,
+and 33 matrices took as long as 32); beside the other half's products those SMs find work. The
+matrices are computed by the same kernels either way: the results are bit-identical.
 """
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dion3_titan.kernels.backend import Backend, divide_by_norm
 from dion3_titan.kernels.dispatch import resolve_algorithm
+from dion3_titan.kernels.tma import grid_sms, num_sms
 from dion3_titan.optim.config import Coefficients, Dion3Config
+
+# A batch runs in halves where a half's X X^T still takes this many FLOPs (about 0.2 ms on an
+# H100 or H200), so that the launches the halves add stay hidden behind the GPU's work.
+# Newton-Schulz alone, halves against one batch in alternating rounds: one H100 32 x 2048^2 9.69
+# vs 9.87 ms, 16 x 2752 x 4096 13.79 vs 14.42; one H200 level within the rounds' spread (10.10
+# vs 10.06, 14.43 vs 14.29), its 7b Muon step at f = 1 129.8 vs 130.6 ms (docs/benchmarks.md,
+# "Newton-Schulz in halves on two streams").
+HALVES_MIN_FLOPS = 1e11
 
 
 @dataclass(frozen=True)
@@ -46,16 +63,17 @@ def _product(
     alpha: float,
     beta: float,
     check: ResultCheck | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """alpha * (a @ b) (+ beta * c), through the backend's checked product where asked and it
-    has one."""
+    has one; into ``out`` where given."""
     if check is not None:
         flags = torch.zeros(a.shape[0], dtype=torch.int32, device=a.device)
-        out = ops.mm_checked(a, b, c, alpha, beta, flags)
-        if out is not None:
+        result = ops.mm_checked(a, b, c, alpha, beta, flags, out)
+        if result is not None:
             check.bad = flags != 0
-            return out
-    return ops.mm(a, b) if c is None else ops.mm_add(a, b, c, alpha, beta)
+            return result
+    return ops.mm(a, b, out) if c is None else ops.mm_add(a, b, c, alpha, beta, out)
 
 
 def is_transposed_batch(views: list[torch.Tensor]) -> bool:
@@ -89,6 +107,7 @@ def gram_newton_schulz(
     backend: Backend,
     column_major: bool = False,
     check: ResultCheck | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Alg. 3 on a wide, normalized x (B, n, m), n <= m.
 
@@ -99,6 +118,7 @@ def gram_newton_schulz(
     ``column_major``: the result is the transpose view of X^T Q (= (Q X)^T, Q symmetric), the
     memory order of a tall caller's rows, so the passes after NS read it row by row.
     ``check``: the last product flags the matrices whose result is not finite (``ResultCheck``).
+    ``out``: where the last product writes the result (of its shape and memory order).
     """
     ops = backend
     xt = x.mT
@@ -125,22 +145,84 @@ def gram_newton_schulz(
     if q is None:
         return x
     if column_major:
-        return _product(ops, x.mT, q, None, 1.0, 0.0, check).mT
-    return _product(ops, q, x, None, 1.0, 0.0, check)
+        return _product(ops, x.mT, q, None, 1.0, 0.0, check, None if out is None else out.mT).mT
+    return _product(ops, q, x, None, 1.0, 0.0, check, out)
 
 
 def standard_newton_schulz(
-    x: torch.Tensor, coefficients: Coefficients, backend: Backend, check: ResultCheck | None = None
+    x: torch.Tensor,
+    coefficients: Coefficients,
+    backend: Backend,
+    check: ResultCheck | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Alg. 1 on a wide, normalized x: A = X X^T, B = b A + c A^2, X <- a X + B X. ``check``:
-    as in ``gram_newton_schulz``."""
+    """Alg. 1 on a wide, normalized x: A = X X^T, B = b A + c A^2, X <- a X + B X. ``check``
+    and ``out``: as in ``gram_newton_schulz``."""
     ops = backend
     last = len(coefficients) - 1
     for t, (a, b, c) in enumerate(coefficients):
         gram = ops.sym_mm(x, x.mT)
         poly = ops.sym_addmm(gram, gram, gram, alpha=c, beta=b)
-        x = _product(ops, poly, x, x, 1.0, a, check if t == last else None)
+        x = _product(ops, poly, x, x, 1.0, a, *((check, out) if t == last else (None, None)))
     return x
+
+
+def runs_in_halves(x: torch.Tensor) -> bool:
+    """Whether ``orthogonalize`` runs the wide batch x (B, n, m) in two halves (module
+    docstring): two matrices or more, a half's X X^T at least ``HALVES_MIN_FLOPS``, and every SM
+    free to its kernels. Under ``leave_sms`` (the step's costliest group on a stream of its own,
+    optim/overlap.py) the step stream's work already runs in what the last waves leave idle."""
+    batch, n, m = x.shape
+    if batch < 2 or (batch // 2) * n * n * m < HALVES_MIN_FLOPS:
+        return False
+    return grid_sms(x.device) == num_sms(x.device)
+
+
+_SIDE_STREAMS: dict[tuple[torch.device, int], tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def _side_streams(caller: torch.cuda.Stream) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """Two streams of the caller's device and priority (made once, reused every step)."""
+    key = (caller.device, caller.priority)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = tuple(torch.cuda.Stream(caller.device, priority=caller.priority) for _ in range(2))
+    return _SIDE_STREAMS[key]
+
+
+def in_halves(
+    x: torch.Tensor,
+    run: Callable[[torch.Tensor, ResultCheck | None, torch.Tensor], torch.Tensor],
+    check: ResultCheck | None,
+    column_major: bool,
+) -> torch.Tensor:
+    """``run(half, its check, its part of the result)`` on the two halves of the batch x, on two
+    side streams on CUDA (one after the other elsewhere), into one result batch of x's shape
+    (``column_major``: in the transposed memory order, as ``gram_newton_schulz`` makes it).
+    The result and x are the caller's stream's memory, used only inside the fork and join; each
+    half's intermediates are its stream's, freed there (its next work waits for the caller's).
+    ``check``: the halves' flags joined, where both halves' last products made them."""
+    batch, n, m = x.shape
+    if column_major:
+        out = torch.empty((batch, m, n), dtype=x.dtype, device=x.device).mT
+    else:
+        out = torch.empty((batch, n, m), dtype=x.dtype, device=x.device)
+    parts = (slice(0, (batch + 1) // 2), slice((batch + 1) // 2, batch))
+    checks = [None if check is None else ResultCheck() for _ in parts]
+    caller = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    streams = _side_streams(caller) if caller is not None else (None, None)
+    for stream, part, part_check in zip(streams, parts, checks):
+        context = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+        if stream is not None:
+            stream.wait_stream(caller)
+        with context:
+            result = run(x[part], part_check, out[part])
+            if result.data_ptr() != out[part].data_ptr():  # no product made it (no iterations)
+                out[part].copy_(result)
+    for stream in streams if caller is not None else ():
+        caller.wait_stream(stream)
+    if check is not None and all(c.bad is not None for c in checks):
+        check.bad = torch.cat([c.bad for c in checks])
+    return out
 
 
 def orthogonalize(
@@ -177,9 +259,13 @@ def orthogonalize(
         xn = torch.nn.functional.pad(x, (0, 0, 0, side - n))
     else:
         xn = x
-    if algorithm == "gram":
-        out = gram_newton_schulz(xn, settings.coefficients, settings.restarts, backend, tall, check)
-    else:
-        out = standard_newton_schulz(xn, settings.coefficients, backend, check)
+
+    def run(batch: torch.Tensor, batch_check: ResultCheck | None, out: torch.Tensor | None) -> torch.Tensor:
+        if algorithm == "gram":
+            return gram_newton_schulz(batch, settings.coefficients, settings.restarts, backend, tall, batch_check, out)
+        return standard_newton_schulz(batch, settings.coefficients, backend, batch_check, out)
+
+    column_major = algorithm == "gram" and tall
+    out = in_halves(xn, run, check, column_major) if runs_in_halves(xn) else run(xn, check, None)
     out = out[:, :n]
     return out.mT if tall else out

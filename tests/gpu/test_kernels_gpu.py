@@ -489,3 +489,64 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
         torch.cuda.synchronize()
         moved[backend] = w.detach().clone()
     assert torch.equal(moved["auto"], moved["cute"]), f"replayed steps differ from eager CuteDSL steps (seed {seed})"
+
+
+@pytest.mark.parametrize("backend", ["triton", "cute"])
+@pytest.mark.parametrize(
+    "shape", [(6, 2048, 2048), (5, 512, 1536), (5, 1536, 384)], ids=["square_pairs", "wide_gram", "tall_gram"]
+)
+def test_halves_on_two_streams_match_one_batch(backend: str, shape: tuple, seed: int, monkeypatch) -> None:
+    """Newton-Schulz in halves on two side streams (orthogonalize.in_halves) gives the one-batch
+    result bit for bit, in its memory order, with the last product's flags of both halves joined
+    (a matrix of the second half made non-finite), eagerly and replayed from a CUDA graph on
+    fresh inputs (the streams fork from and join the capturing stream)."""
+    if backend == "cute" and not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan.kernels.dispatch import get_backend
+    from dion3_titan.optim import orthogonalize as om
+    from dion3_titan.optim.config import coefficient_schedule
+
+    settings = om.NSSettings("auto", coefficient_schedule("polar_express", 5, 1.05), (2,), torch.float16)
+    ops = get_backend(backend)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def batch() -> torch.Tensor:
+        x = torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+        x[-1, 1, 2] = float("inf")
+        return x
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        check = om.ResultCheck()
+        return om.orthogonalize(x, settings, ops, check=check), check.bad
+
+    x = batch()
+    whole, whole_bad = run(x)
+    monkeypatch.setattr(om, "HALVES_MIN_FLOPS", 0)
+    wide = x.mT if shape[1] > shape[2] else x
+    assert om.runs_in_halves(wide), "the threshold at 0 should split every batch of two or more"
+    halves, bad = run(x)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(halves, whole, rtol=0, atol=0, equal_nan=True, msg=f"seed {seed}")
+    assert halves.stride() == whole.stride()
+    assert (bad is None) == (whole_bad is None)
+    if bad is not None:
+        assert bad.tolist() == whole_bad.tolist() == [False] * (shape[0] - 1) + [True], f"seed {seed}"
+
+    static = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(static)  # warm: nothing compiles in the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, captured_bad = run(static)
+    for _ in range(2):
+        fresh = batch()
+        static.copy_(fresh)
+        graph.replay()
+        eager, eager_bad = run(fresh)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured, eager, rtol=0, atol=0, equal_nan=True, msg=f"seed {seed}")
+        if eager_bad is not None:
+            assert captured_bad.tolist() == eager_bad.tolist(), f"seed {seed}"
