@@ -5,6 +5,9 @@ through the adapter of the installed torchtitan generation, chosen here at start
 - torchtitan 0.3: `--module dion3_titan.titan03.recipes --config <name>` (titan03/train.py).
 """
 
+import logging
+import os
+import sys
 from typing import Any
 
 
@@ -48,5 +51,23 @@ def _release_graphs_before_teardown() -> None:
     dist.destroy_process_group = destroy_after_release
 
 
+def leave_after_teardown() -> None:
+    """Ends a finished run on CPU ranks (gloo) without C++ static destructors: gloo's background
+    threads have aborted a rank that had trained and destroyed its group ("terminate called
+    without an active exception"), and torchrun then reports the run as failed. Logging and the
+    standard streams are flushed first. A run with an accelerator, or whose group is still up,
+    leaves as usual."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.accelerator.is_available() or (dist.is_available() and dist.is_initialized()):
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    leave_after_teardown()
