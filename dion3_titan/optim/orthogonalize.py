@@ -214,10 +214,11 @@ def in_halves(
         context = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
         if stream is not None:
             stream.wait_stream(caller)
+        dest = out[part]
         with context:
-            result = run(x[part], part_check, out[part])
-            if result.data_ptr() != out[part].data_ptr():  # no product made it (no iterations)
-                out[part].copy_(result)
+            result = run(x[part], part_check, dest)
+            if result.data_ptr() != dest.data_ptr():  # no product made it (no iterations)
+                dest.copy_(result)
     for stream in streams if caller is not None else ():
         caller.wait_stream(stream)
     if check is not None and all(c.bad is not None for c in checks):
