@@ -56,6 +56,8 @@ VARIANTS = {
     "sym_tile_only": [(triton_ops, "TMA_MIN_KSTEPS_PER_SM", 2**40)],
     # CuteDSL backend switches (timed on the cute backend)
     "cute_no_general": [(cute_symm, "GENERAL", 0)],
+    # a pair's diagonal tiles computed whole, the block above the diagonal dropped after
+    "cute_full_diagonal": [(cute_symm, "HALF_DIAGONAL", False)],
     # the batch in one piece on one stream, not in halves on two (optim/orthogonalize.py)
     "cute_one_batch": [(orthogonalize_module, "HALVES_MIN_FLOPS", float("inf"))],
 }

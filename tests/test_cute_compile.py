@@ -27,21 +27,24 @@ ROOT = Path(__file__).resolve().parents[1]
 # Every (dtype, A's major, B^T's major, with C, pair form) that sym_gemm compiles for, with the
 # diagonal mirror; without it for the operand layouts of the products that leave it out (X X^T:
 # both k-major; A A: A k-major, A^T n-major), in fp16.
+# A symmetric pair kernel halves its diagonal tiles' products (HALF_DIAGONAL, the default); one
+# configuration keeps them whole (the benchmarks' A/B).
 CONFIGS = [
-    (*config, True, False, False)
+    (*config, True, False, False, config[-1])
     for config in itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True], [False, True])
 ] + [
-    ("Float16", "k", b, has_c, pair, False, general, False)
+    ("Float16", "k", b, has_c, pair, False, general, False, pair and not general)
     for b in ("k", "n")
     for has_c in (False, True)
     for pair in (False, True)
     for general in (False, True)
 ]
+CONFIGS += [("Float16", "k", "n", True, True, True, False, False, False)]
 # The general mode with the finiteness check in its epilogue (``gemm``'s flags), on the operands
 # of Newton-Schulz's last product: X <- a X + B X (with C), Q X (A = Q), X^T Q of a tall batch
 # (A = X^T, n-major after a restart).
 CONFIGS += [
-    (dtype, a, "n", has_c, pair, False, True, True)
+    (dtype, a, "n", has_c, pair, False, True, True, False)
     for dtype, a, has_c in [
         ("Float16", "k", True),
         ("Float16", "k", False),
@@ -72,13 +75,13 @@ INSTRUCTIONS = {
     "vector_shared_store": r"st\.shared(?:::cta)?\.v4\.b32",
 }
 found = {}
-for dtype, a_major, b_major, has_c, pair, mirror, general, check in json.loads(sys.argv[1]):
+for dtype, a_major, b_major, has_c, pair, mirror, general, check, half in json.loads(sys.argv[1]):
     stages = cute_symm.PAIR_STAGES if pair else cute_symm.STAGES
-    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror, general, check).artifacts.PTX
+    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror, general, check, half).artifacts.PTX
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
     wgmma = INSTRUCTIONS["wgmma_wide" if pair else "wgmma"]
     counts["wgmma_types"] = sorted(set(re.findall(wgmma, ptx)))
-    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general},{check}"] = counts
+    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general},{check},{half}"] = counts
 print("PTX " + json.dumps(found))
 """
 
@@ -117,7 +120,7 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
     for config, counts in found.items():
         fields = config.split(",")
         dtype, pair, mirror, general = fields[0], fields[4] == "True", fields[5] == "True", fields[6] == "True"
-        check = fields[7] == "True"
+        check, half = fields[7] == "True", fields[8] == "True"
         expect_type = {"Float16": "f16", "BFloat16": "bf16"}[dtype]
         assert counts["wgmma_types"] == [expect_type], (config, counts)
         # the pair form: 64 x 256 products per warpgroup, B's panel loaded once for both CTAs
@@ -130,6 +133,8 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
             assert counts["stmatrix_trans"] == 0, (config, counts)
         if not pair:
             assert counts["wgmma_wide"] == counts["multicast"] == 0, (config, counts)
+        else:  # 64 x 128 products in a pair kernel: only a halved diagonal tile's first CTA
+            assert (counts["wgmma"] > 0) == half, f"{config}: half_diagonal {half} ({counts})"
         # the tile leaves by TMA; a thread stores to global memory only to flag a non-finite
         # block (the check: a NaN-propagating max of the block's values), once per block
         assert counts["global_store"] == (2 if pair else 1) * check, f"{config}: per-thread global stores ({counts})"

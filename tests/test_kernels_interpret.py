@@ -720,7 +720,7 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
         out = cute_symm.sym_gemm(x, b, c, 0.5, -1.5)
         ((key, args),) = launches
         assert key[:5] == ("Float16", "k", "k", True, cute_symm.PAIR_STAGES)
-        assert key[5:7] == (True, mirror) and not any(key[7:])
+        assert key[5:] == (True, mirror, False, False, cute_symm.HALF_DIAGONAL)  # a pair's diagonal halved
         a_v, b_v, c_v, out_v, table, _, ctas, alpha, beta = launched(args)
         assert (a_v, b_v, c_v, out_v) == (view(x), view(b), view(c), view(out))
         assert table.shape == (2, 36) and ctas == 2 * min(66, 2 * 36) and (alpha, beta) == (0.5, -1.5)
@@ -728,7 +728,7 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
     small = torch.randn(3, 1024, 64, dtype=torch.bfloat16)
     out = cute_symm.sym_gemm(small, small.mT)  # 128 x 128 tiles below PAIR_MIN_N, no C
     ((key, args),) = launches
-    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False, False)
+    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False, False, False)
     assert launched(args)[2] == view(out) and launched(args)[6] == min(132, 3 * 36)
 
     a = torch.randn(2, 2048, 512, dtype=torch.float16)
@@ -751,6 +751,7 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
             False,
             True,
             check,
+            False,  # every tile of a general product is whole
         )
         a_v, b_v, c_v, out_v, table, flags_v, ctas, alpha, beta = launched(args)
         assert flags_v is flags if check else flags_v.shape == (1,)  # unchecked: never written

@@ -25,7 +25,9 @@ wgmma). The B panel (256 rows) is shared: each CTA loads half of it by TMA and m
 both, so a CTA loads 32 KB per k-slice for twice the products of a 128 x 128 tile (the L2 traffic
 per FLOP halves, which is what the 128 x 128 form is bound by at large sides). Consumers release
 a stage to both CTAs' producers. The epilogue takes the CTA tile as two 128 x 128 blocks through
-the same two shared tiles, one after the other; on the diagonal the block above it is dropped.
+the same two shared tiles, one after the other; on the diagonal the block above it is not
+stored, and (``HALF_DIAGONAL``) not computed: the first CTA of a diagonal tile runs 64 x 128
+wgmmas on the B panel's first 128 rows into its accumulator's first block.
 With C, the second block of C comes into the column-major tile through C's transposed view (C is
 symmetric), and both blocks of C are read before either is overwritten.
 
@@ -75,6 +77,12 @@ PAIR_STAGES = 3
 # stays on cuBLAS, level with the general mode there (docs/benchmarks.md, "The general mode of
 # the CuteDSL kernel").
 GENERAL = 1
+# The pair form's diagonal tiles: the first CTA computes only the block it stores (64 x 128
+# products on the first half of the B panel), not the block above the diagonal. The cluster
+# waits for the second CTA either way, so this saves energy, not issue time: under the power
+# limit of an H200 busy with Newton-Schulz, clock (docs/benchmarks.md, "Half products on the
+# diagonal"). 6% of a symmetric product's computed blocks at n = 2048, 4% at 2816.
+HALF_DIAGONAL = True
 
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers
 _MMA_THREADS = 256
@@ -132,6 +140,7 @@ def _kernel_class() -> type:
             mirror: bool = True,
             general: bool = False,
             check: bool = False,
+            half_diagonal: bool = False,
         ) -> None:
             self.has_c = has_c
             # check (general mode): a block holding a NaN or inf once rounded sets its matrix's
@@ -148,6 +157,9 @@ def _kernel_class() -> type:
             # load multicast to both); alone: one CTA per 128 x 128 tile
             self.cm = 2 if pair else 1
             self.tile_n = TILE * self.cm  # the CTA tile's columns and the cluster tile's side
+            # half_diagonal: on a pair's diagonal tile the first CTA runs 64 x 128 products on
+            # the first half of the B panel only, its block above the diagonal not computed
+            self.half_diagonal = half_diagonal and self.cm > 1 and not general
             self.acc_dtype = cutlass.Float32
             self.num_mma_wg = 2
             self.mma_threads = 128 * self.num_mma_wg
@@ -442,6 +454,17 @@ def _kernel_class() -> type:
                 tCrB = tiled_mma.make_fragment_B(tCsB)
                 k_blocks = cute.size(tCrA, mode=[2])
                 acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((TILE, self.tile_n)), self.acc_dtype)
+                # the products a tile runs: (MMA, accumulator, A and B fragments); with
+                # half_diagonal, a second set for the first CTA of a diagonal pair tile: the
+                # epilogue's 128 x 128 MMA on the B panel's first 128 rows, into the accumulator's
+                # first block (its registers come first: the epilogue reads it from there)
+                products = [(tiled_mma, acc, tCrA, tCrB)]
+                if cutlass.const_expr(self.half_diagonal):
+                    sB_half = cute.flat_divide(sB, (TILE, TILE_K))[(None, None, 0, 0, None)]
+                    acc_half = cute.make_tensor(acc.iterator, cute.make_layout(epi_mma.partition_shape_C((TILE, TILE))))
+                    half_a = epi_mma.make_fragment_A(thr_epi.partition_A(sA))
+                    half_b = epi_mma.make_fragment_B(thr_epi.partition_B(sB_half))
+                    products.append((epi_mma, acc_half, half_a, half_b))
                 # C's blocks in the accumulator's thread layout: the second (a pair's) in sDT
                 tEsC = [thr_epi.partition_C(sD), thr_epi.partition_C(sDT)][: self.cm]
                 block = cute.make_rmem_tensor(tEsC[0].shape, self.acc_dtype)
@@ -488,42 +511,56 @@ def _kernel_class() -> type:
                     tj = tiles[1, local]
                     i = ti * self.cm + rank
                     acc.fill(0.0)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    # k-step 0 peeled; every later one releases the stage before the one it
-                    # issued (one wgmma batch in flight). No data-dependent branch inside the
-                    # k-loops: C's release point tested at every step cost ~20 ns a step. The
-                    # k-step is written out in the loop itself: CuteDSL carries the pipeline
-                    # states through a loop only when its body advances them (a helper that
-                    # advances them compiles to different code).
-                    ring.consumer_wait(read)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        a_kb, b_kb = tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)]
-                        cute.gemm(tiled_mma, acc, a_kb, b_kb, acc)
-                    cute.nvgpu.warpgroup.commit_group()
-                    read.advance()
-                    # with C the k-loop runs in two segments: between them the store warp
-                    # frees the epilogue tiles, the previous tile's stores having long been issued
-                    segments = ((1, c_split), (c_split, k_tiles)) if cutlass.const_expr(self.has_c) else ((1, k_tiles),)
-                    for segment, (lo, hi) in enumerate(segments):
-                        if segment == 1:
-                            if t != first and warp == _STORE_WARP:
-                                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                                c_pipe.consumer_release(c_free)
-                                c_free.advance()
-                        for _kt in cutlass.range(lo, hi, unroll=1):
+                    variant = cutlass.Int32(0)  # which of ``products`` this tile runs
+                    if cutlass.const_expr(self.half_diagonal):
+                        if ti == tj and rank == 0:
+                            variant = cutlass.Int32(1)
+                    for v in cutlass.range_constexpr(len(products)):
+                        mma, acc_v, frag_a, frag_b = products[v]
+                        if variant == v:
+                            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                            cute.nvgpu.warpgroup.fence()
+                            # k-step 0 peeled; every later one releases the stage before the one it
+                            # issued (one wgmma batch in flight). No data-dependent branch inside the
+                            # k-loops: C's release point tested at every step cost ~20 ns a step. The
+                            # k-step is written out in the loop itself: CuteDSL carries the pipeline
+                            # states through a loop only when its body advances them (a helper that
+                            # advances them compiles to different code).
                             ring.consumer_wait(read)
                             for kb in cutlass.range_constexpr(k_blocks):
-                                a_kb, b_kb = tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)]
-                                cute.gemm(tiled_mma, acc, a_kb, b_kb, acc)
+                                a_kb, b_kb = frag_a[(None, None, kb, read.index)], frag_b[(None, None, kb, read.index)]
+                                cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
                             cute.nvgpu.warpgroup.commit_group()
                             read.advance()
-                            cute.nvgpu.warpgroup.wait_group(1)
+                            # with C the k-loop runs in two segments: between them the store warp
+                            # frees the epilogue tiles, the previous tile's stores having long been issued
+                            segments = (
+                                ((1, c_split), (c_split, k_tiles))
+                                if cutlass.const_expr(self.has_c)
+                                else ((1, k_tiles),)
+                            )
+                            for segment, (lo, hi) in enumerate(segments):
+                                if segment == 1:
+                                    if t != first and warp == _STORE_WARP:
+                                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                                        c_pipe.consumer_release(c_free)
+                                        c_free.advance()
+                                for _kt in cutlass.range(lo, hi, unroll=1):
+                                    ring.consumer_wait(read)
+                                    for kb in cutlass.range_constexpr(k_blocks):
+                                        a_kb, b_kb = (
+                                            frag_a[(None, None, kb, read.index)],
+                                            frag_b[(None, None, kb, read.index)],
+                                        )
+                                        cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
+                                    cute.nvgpu.warpgroup.commit_group()
+                                    read.advance()
+                                    cute.nvgpu.warpgroup.wait_group(1)
+                                    ring.consumer_release(release)
+                                    release.advance()
+                            cute.nvgpu.warpgroup.wait_group(0)
                             ring.consumer_release(release)
                             release.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ring.consumer_release(release)
-                    release.advance()
 
                     # epilogue: fp32 math and one rounding per 128 x 128 block (the accumulator
                     # holds a block's values contiguously, the wgmma layout's column chunks
@@ -651,10 +688,12 @@ def _compiled(
     mirror: bool = True,
     general: bool = False,
     check: bool = False,
+    half_diagonal: bool = False,
 ) -> Any:
     """Compile once per configuration; shapes and strides stay dynamic (symbolic). ``general``:
     the (n, m) product of ``gemm`` (m its own size), else the symmetric (n, n) one; ``check``:
-    its epilogue flags the matrices whose result is not finite."""
+    its epilogue flags the matrices whose result is not finite; ``half_diagonal``: a pair's
+    diagonal tiles skip the block above the diagonal (``HALF_DIAGONAL``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -675,7 +714,7 @@ def _compiled(
     d = make_fake_tensor(dtype, (L, n, m), strides(2), assumed_align=16)
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
     flags = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,))
-    kernel = _kernel_class()(has_c, stages, pair, mirror, general, check)
+    kernel = _kernel_class()(has_c, stages, pair, mirror, general, check, half_diagonal)
     return cute.compile(
         kernel,
         a,
@@ -759,9 +798,10 @@ def _launch(
     if out is None:
         out = torch.empty((L, n, b.shape[2]), dtype=a.dtype, device=a.device)
     # read here, not bound as defaults: scripts/bench_sym_ab.py --cute-variants switches them
-    pair = form[0]
+    pair, _, general = form
     check = flags is not None
-    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, PAIR_STAGES if pair else STAGES, *form, check)
+    half = HALF_DIAGONAL and pair and not general
+    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, PAIR_STAGES if pair else STAGES, *form, check, half)
     cm = 2 if pair else 1
     ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
     flag_arg = flags if check else _unwritten(a.device)
