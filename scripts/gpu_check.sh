@@ -6,7 +6,7 @@
 #   step   the optimizer step: 7b 8 layers Muon f = 1 vs dion.Muon (profiled), NorMuon f = 1
 #          and f = 1/4 vs microsoft/dion, llama3-1B shapes f = 1/4                   ~8 min
 #   ns     Newton-Schulz alone on the batches of the targets vs gram-newton-schulz, and
-#          the symmetric products vs quack's                                        ~4 min
+#          the symmetric products vs quack's (each beside its A/B switches)         ~5 min
 #   host   the eager step's host time (7b, 8 layers, NorMuon f = 1/4, norm given)   ~2 min
 #   train  real torchtitan training, llama3 1B: AdamW, Dion3 f = 1/4 and 1/8, two rounds in
 #          alternating order (one round's tokens/s ratios move with the run order)      ~5 min
@@ -50,8 +50,9 @@ for part in "$@"; do
         ;;
     ns)
         run "$PY" scripts/bench_orthogonalize.py --parts ns --backends triton,cute --no-ns5 \
-            --shapes 32x2048x2048,16x2752x4096 --rounds 5 --variants cute_one_batch
-        run "$PY" scripts/bench_sym_ab.py --shapes 32x2048,16x2816,4x8192 --configs default --reps 5
+            --shapes 32x2048x2048,16x2752x4096 --rounds 5 --variants cute_one_batch,cute_full_diagonal
+        run "$PY" scripts/bench_sym_ab.py --shapes 32x2048,16x2816,4x8192 --configs default --reps 5 \
+            --cute-variants HALF_DIAGONAL=0
         ;;
     host)
         run "$PY" scripts/profile_host.py --model 7b --layers 8 --given-norm 2>&1 | tee "$OUT/profile_host.log"

@@ -57,3 +57,20 @@ def test_settings_name_module_attributes_that_exist():
         for variant in spec.split(","):
             for part in variant.split("+"):
                 step_configs.parse_setting(part)  # one clear ValueError for a renamed switch
+
+
+def test_ns_switches_are_ones_the_benchmarks_know():
+    """The ns part's A/B switches: bench_orthogonalize's --variants and bench_sym_ab's
+    --cute-variants (NAME=value settings of kernels/cute_symm.py)."""
+    from benchmarks import orthogonalize as bench_orthogonalize
+    from dion3_titan.kernels import cute_symm
+
+    text = SCRIPT.read_text()
+    (variants,) = re.findall(r"bench_orthogonalize\.py .*?--variants (\S+)", text, re.S)
+    assert set(variants.split(",")) <= set(bench_orthogonalize.VARIANTS), variants
+    (cute_variants,) = re.findall(r"--cute-variants (\S+)", text)
+    for setting in cute_variants.split(","):
+        for part in setting.split("+"):
+            name, value = part.split("=")
+            assert hasattr(cute_symm, name), part
+            int(value)  # bench_sym_ab reads the values as integers
