@@ -78,10 +78,11 @@ PAIR_STAGES = 3
 # the CuteDSL kernel").
 GENERAL = 1
 # The pair form's diagonal tiles: the first CTA computes only the block it stores (64 x 128
-# products on the first half of the B panel), not the block above the diagonal. The cluster
-# waits for the second CTA either way, so this saves energy, not issue time: under the power
-# limit of an H200 busy with Newton-Schulz, clock (docs/benchmarks.md, "Half products on the
-# diagonal"). 6% of a symmetric product's computed blocks at n = 2048, 4% at 2816.
+# products on the first half of the B panel), not the block above the diagonal (6% of a
+# symmetric product's computed blocks at n = 2048, 4% at 2816). The cluster waits for the second
+# CTA either way, so this saves energy, not issue time; Newton-Schulz keeps the card at its power
+# limit, where energy is clock: 1-2% per symmetric product at 2048 and 2816 on one H100
+# (docs/benchmarks.md, "Half products on the diagonal").
 HALF_DIAGONAL = True
 
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers
@@ -511,7 +512,8 @@ def _kernel_class() -> type:
                     tj = tiles[1, local]
                     i = ti * self.cm + rank
                     acc.fill(0.0)
-                    variant = cutlass.Int32(0)  # which of ``products`` this tile runs
+                    # which of ``products`` this tile runs: one branch per tile, around its k-loops
+                    variant = cutlass.Int32(0)
                     if cutlass.const_expr(self.half_diagonal):
                         if ti == tj and rank == 0:
                             variant = cutlass.Int32(1)
