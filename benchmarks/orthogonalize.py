@@ -10,8 +10,8 @@ shape) at two dense fp16 rates measured in the same run: 8192^3 and a batched pr
 shape's own size, (batch, n, n) @ (batch, n, m). ``--variants`` also times "auto" with kernel
 switches turned (the Triton GEMM of kernels/triton_mm.py for A @ B + C, A @ B or both, in place
 of cuBLAS; the CuteDSL general mode off; the batch in one piece rather than in halves on two
-streams) in the same run, and in the
-alternating rounds of ``--rounds``.
+streams; with ``--cute-baseline``, another revision's CuteDSL kernels) in the same run, and in
+the alternating rounds of ``--rounds``.
 Then the symmetric GEMM against cuBLAS bmm/baddbmm at batch 4, n = 2048, 4096, 8192 (k = n).
 Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up, on random inputs.
 A table is printed at the end; with $OUT set, everything is also written to
@@ -33,6 +33,7 @@ import triton
 
 from benchmarks.machine import card_state
 from benchmarks.output import fmt, output_path, write_json
+from benchmarks.revision import load_revision
 from benchmarks.timing import do_bench_ms as bench
 from benchmarks.timing import graph_ms, matmul_tflops
 from dion3_titan.kernels import cute_symm, triton_mm, triton_ops
@@ -211,6 +212,13 @@ class switched:
             setattr(mod, name, value)
 
 
+def baseline_switches(path: str) -> list:
+    """The VARIANTS entry that runs another revision's CuteDSL kernels (its ``cute_symm.py`` at
+    ``path``) in place of ours: the backend calls them through these module names."""
+    base = load_revision(path, "baseline_cute_symm")
+    return [(cute_symm, "gemm", base.gemm), (cute_symm, "sym_gemm", base.sym_gemm)]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -249,6 +257,11 @@ def main() -> None:
     parser.add_argument("--shapes", default=SHAPES, help="comma-separated BxNxM")
     parser.add_argument("--variants", default="", help=f"comma-separated, of {sorted(VARIANTS)}")
     parser.add_argument("--no-ns5", action="store_true", help="skip plain Muon NS5")
+    parser.add_argument(
+        "--cute-baseline",
+        default=None,
+        help="a cute_symm.py of another revision: adds the variant cute_baseline (its kernels in ours' place)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -324,6 +337,9 @@ def main() -> None:
     anchor = None if args.skip_anchor else load_anchor()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     variants = [v for v in args.variants.split(",") if v]
+    if args.cute_baseline:
+        VARIANTS["cute_baseline"] = baseline_switches(args.cute_baseline)
+        variants.append("cute_baseline")
     ns_rows = []
     for batch, n, m in shapes if "ns" in parts else ():
         if time.time() - start > args.budget_s:

@@ -20,7 +20,8 @@ those runs is reported, with which kernel
 equal to the current default's first (a config that does not build is reported as such). ``--gemm``: L x M x K x N, "+c" for alpha*AB + beta*C (C is B itself when
 square, as in X <- aX + BX): cuBLAS bmm/baddbmm against ``mm_tma`` in each of ``GEMM_CONFIGS``
 (a config that does not build or fit is reported as such), our CuteDSL kernel's general mode
-(its defaults and each ``--cute-variants`` setting) and quack's GEMM, each result checked
+(its defaults, each ``--cute-variants`` setting, with the finiteness check, and the
+``--cute-baseline`` revision's with and without it) and quack's GEMM, each result checked
 against cuBLAS.
 Rates count the FLOPs each kernel runs (2LMKN; the symmetric kernel its lower tiles only). With
 $OUT set the rows are also written to $OUT/bench_sym_ab.json.
@@ -29,13 +30,13 @@ $OUT set the rows are also written to $OUT/bench_sym_ab.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 
 import torch
 import triton
 
 from benchmarks.output import output_path, write_json
+from benchmarks.revision import load_revision
 from benchmarks.timing import do_bench_ms
 from dion3_titan.kernels import triton_mm
 from dion3_titan.kernels import triton_ops as current
@@ -59,16 +60,6 @@ SYM_TMA_CONFIGS = [  # triton_ops.TmaConfig fields: (BLOCK, BLOCK_K, GROUP, num_
     (128, 64, 8, 8, 3, True, True),
 ]
 SYM_TMA_C_CONFIGS = [(128, 64, 8, 8, 4), (128, 64, 8, 8, 3, False, True), (128, 64, 8, 8, 4, False, True)]
-
-
-def _load(path: str, name: str):
-    """A baseline revision's kernel module, a file the caller extracted (see the docstring).
-    It imports the rest of the package from the current tree, so the revision must be one whose
-    imports that tree still provides (for older ones, run the benchmark in their own checkout)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _interleaved(fns: list, reps: int) -> list[list[float]]:
@@ -215,10 +206,11 @@ def sym_rows(
     return rows
 
 
-def _general_cases(a, b, c, alpha: float, beta: float, want, shape: str, cute_variants: list[str]) -> list:
-    """(label, fn) of our CuteDSL kernel's general mode (``cute_symm.gemm``: its defaults and
-    each of ``cute_variants``) and quack's GEMM (what gram-newton-schulz calls for X <- aX + BX,
-    untuned), where importable, each result's difference to cuBLAS printed."""
+def _general_cases(a, b, c, alpha: float, beta: float, want, shape: str, cute_variants: list[str], cute_base) -> list:
+    """(label, fn) of our CuteDSL kernel's general mode (``cute_symm.gemm``: its defaults, each
+    of ``cute_variants``, the baseline revision's where given, with and without the finiteness
+    check) and quack's GEMM (what gram-newton-schulz calls for X <- aX + BX, untuned), where
+    importable, each result's difference to cuBLAS printed."""
     found = []
     try:
         from dion3_titan.kernels import cute_symm
@@ -226,6 +218,11 @@ def _general_cases(a, b, c, alpha: float, beta: float, want, shape: str, cute_va
         if cute_symm.is_available():
             found.append(("cute_gemm", lambda: cute_symm.gemm(a, b, c, alpha, beta)))
             found += [(f"cute_gemm({v})", _with_cute(v, found[0][1])) for v in cute_variants]
+            flags = torch.zeros(a.shape[0], device=a.device, dtype=torch.int32)
+            found.append(("cute_gemm_checked", lambda: cute_symm.gemm(a, b, c, alpha, beta, flags=flags)))
+            if cute_base is not None:
+                found.append(("cute_gemm[baseline]", lambda: cute_base.gemm(a, b, c, alpha, beta)))
+                found.append(("cute_gemm_checked[baseline]", lambda: cute_base.gemm(a, b, c, alpha, beta, flags=flags)))
     except ImportError as exc:
         print(f"cute unavailable: {exc}")
     try:
@@ -259,7 +256,7 @@ def _checked(cases: list, want, shape: str) -> list:
     return kept
 
 
-def gemm_rows(shapes: list[str], reps: int, cute_variants: list[str]) -> list[dict]:
+def gemm_rows(shapes: list[str], reps: int, cute_variants: list[str], cute_base=None) -> list[dict]:
     rows = []
     for shape in shapes:
         with_c = shape.endswith("+c")
@@ -279,7 +276,7 @@ def gemm_rows(shapes: list[str], reps: int, cute_variants: list[str]) -> list[di
             (f"mm_tma{cfg}", lambda cfg=cfg: triton_mm.mm_tma(a, b, c, alpha, beta, config=cfg)) for cfg in GEMM_CONFIGS
         ]
         cases += _checked(tma, want, shape)
-        cases += _general_cases(a, b, c, alpha, beta, want, shape, cute_variants)
+        cases += _general_cases(a, b, c, alpha, beta, want, shape, cute_variants, cute_base)
         for (label, _), runs in zip(cases, _interleaved([fn for _, fn in cases], reps)):
             ms = statistics.median(runs)
             rows.append(
@@ -305,12 +302,12 @@ def main() -> None:
         help='comma-separated CuteDSL settings to time beside its defaults, e.g. "STAGES=5,PAIR_MIN_N=256+GROUP=4"',
     )
     args = parser.parse_args()
-    base = _load(args.baseline, "baseline_triton_ops") if args.baseline else None
-    cute_base = _load(args.cute_baseline, "baseline_cute_symm") if args.cute_baseline else None
+    base = load_revision(args.baseline, "baseline_triton_ops") if args.baseline else None
+    cute_base = load_revision(args.cute_baseline, "baseline_cute_symm") if args.cute_baseline else None
     variants = [v for v in args.cute_variants.split(",") if v]
     shapes = [s for s in args.shapes.split(",") if s]
     rows = sym_rows(base, shapes, args.reps, args.configs == "default", variants, cute_base)
-    gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps, variants)
+    gemm = gemm_rows([s for s in args.gemm.split(",") if s], args.reps, variants, cute_base)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     write_json(output_path(None, "bench_sym_ab.json"), {**meta, "rows": rows, "gemm": gemm})
 
