@@ -106,9 +106,10 @@ def _ptxas() -> str | None:
 # Known to ptxas 12.9 (Triton 3.9's) with CuteDSL 4.5.2: the general mode's pair kernel spills
 # 4 bytes (20 in bf16 with C and the check) with C or the check, and with C (X <- a X + B X of
 # standard Newton-Schulz) serializes its wgmmas "due to program dependence on compiler-inserted
-# WG.AR in divergent path" (docs/kernels.md: an open lever). Three symmetric pair layouts with
-# the halved diagonal serialize "due to insufficient register resources": layouts Newton-Schulz
-# never asks for (its symmetric products with C or two operands take A k-major, B^T n-major).
+# WG.AR in divergent path" (docs/kernels.md: why, and a variant without it that measured no
+# faster on a GPU). Three symmetric pair layouts with the halved diagonal serialize "due to
+# insufficient register resources": layouts Newton-Schulz never asks for (its symmetric products
+# with C or two operands take A k-major, B^T n-major).
 _HALF_SERIALIZED = {("k", "n", False, True), ("n", "k", True, False), ("n", "n", True, True)}
 
 
