@@ -260,7 +260,8 @@ def main() -> None:
     parser.add_argument(
         "--cute-baseline",
         default=None,
-        help="a cute_symm.py of another revision: adds the variant cute_baseline (its kernels in ours' place)",
+        help="a cute_symm.py of another revision, its cute_symm_sm90.py beside it: adds the variant "
+        "cute_baseline (its kernels in ours' place)",
     )
     parser.add_argument(
         "--rounds",

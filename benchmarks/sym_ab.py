@@ -2,8 +2,8 @@
 configs, and of the persistent TMA GEMM (kernels/triton_mm.py) against cuBLAS, in one run.
 
     git show REV:dion3_titan/kernels/triton_ops.py > /tmp/base_triton_ops.py
-    git show REV:dion3_titan/kernels/cute_symm.py > base_cute_symm.py
-    python scripts/bench_sym_ab.py [--baseline /tmp/base_triton_ops.py] [--cute-baseline base_cute_symm.py] \
+    mkdir -p base && for f in cute_symm cute_symm_sm90; do git show REV:dion3_titan/kernels/$f.py > base/$f.py; done
+    python scripts/bench_sym_ab.py [--baseline /tmp/base_triton_ops.py] [--cute-baseline base/cute_symm.py] \
         [--shapes 4x8192,16x2816x4096] [--gemm 32x2048x2048x2048+c,16x2816x2816x4096] [--reps 5]
 
 ``--shapes``: L x n (k = n) or L x n x k, fp16: cuBLAS bmm, our CuteDSL kernel (its defaults and
@@ -289,7 +289,9 @@ def gemm_rows(shapes: list[str], reps: int, cute_variants: list[str], cute_base=
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", default=None, help="a triton_ops.py of another revision")
-    parser.add_argument("--cute-baseline", default=None, help="a cute_symm.py of another revision")
+    parser.add_argument(
+        "--cute-baseline", default=None, help="a cute_symm.py of another revision, its cute_symm_sm90.py beside it"
+    )
     parser.add_argument("--shapes", default="4x8192,32x2048", help="comma-separated LxN or LxNxK")
     parser.add_argument("--gemm", default="", help="comma-separated LxMxKxN[+c]")
     parser.add_argument("--reps", type=int, default=5)

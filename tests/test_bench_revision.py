@@ -26,6 +26,27 @@ def test_load_revision_gives_a_module_of_its_own(tmp_path):
     assert base.__name__ == "baseline_cute_symm_test"
 
 
+def test_a_module_and_its_kernel_load_from_the_same_revision(tmp_path):
+    """A host module's import of its kernel module resolves to the kernel file beside it (the
+    same revision's), and the current tree's kernel module is back in place afterwards."""
+    import sys
+
+    from benchmarks.revision import load_revision
+    from dion3_titan.kernels import cute_symm, cute_symm_sm90
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    for stem, marker in (("cute_symm", "host"), ("cute_symm_sm90", "kernel")):
+        source = (ROOT / "dion3_titan" / "kernels" / f"{stem}.py").read_text()
+        (folder / f"{stem}.py").write_text(source + f"\nMARKER = {marker!r}\n")
+    base = load_revision(str(folder / "cute_symm.py"), "baseline_pair_test")
+    assert base.MARKER == "host"
+    assert base.kernel_class.__wrapped__.__globals__["MARKER"] == "kernel"
+    assert base.kernel_class is not cute_symm_sm90.kernel_class
+    assert sys.modules["dion3_titan.kernels.cute_symm_sm90"] is cute_symm_sm90
+    assert cute_symm.kernel_class is cute_symm_sm90.kernel_class and not hasattr(cute_symm_sm90, "MARKER")
+
+
 def test_baseline_variant_switches_the_kernels_the_backend_calls_and_restores_them(tmp_path):
     from benchmarks import orthogonalize as bench
     from dion3_titan.kernels import cute_symm
@@ -39,8 +60,3 @@ def test_baseline_variant_switches_the_kernels_the_backend_calls_and_restores_th
         names = cute_symm.CuteOps.mm_add.__globals__
         assert (names["gemm"], names["sym_gemm"]) == (cute_symm.gemm, cute_symm.sym_gemm) != ours
     assert (cute_symm.gemm, cute_symm.sym_gemm) == ours
-
-
-def test_the_benchmarks_take_the_baseline_option():
-    for script in ("benchmarks/orthogonalize.py", "benchmarks/sym_ab.py"):
-        assert '"--cute-baseline"' in (ROOT / script).read_text(), script
