@@ -84,6 +84,14 @@ def kernel_class() -> type:
         shape = tuple(t.shape[i] for i in order)
         return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=tuple(t.stride[i] for i in order)))
 
+    def _tile_at(tiles: Any, t: Any, per_batch: Any, cm: int, rank: Any) -> tuple[Any, Any, Any, Any]:
+        """The t-th tile of the CTAs' walk over every batch's table of cluster tiles: its batch,
+        its cluster tile (ti, tj) and this CTA's 128-row block of D (its rank in the cluster)."""
+        batch = t // per_batch
+        local = t - batch * per_batch
+        ti = tiles[0, local]
+        return batch, ti, tiles[1, local], ti * cm + rank
+
     class SymGemmSm90:
         def __init__(
             self,
@@ -355,11 +363,7 @@ def kernel_class() -> type:
                     c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                     t = first
                     while t < total:
-                        batch = t // per_batch
-                        local = t - batch * per_batch
-                        ti = tiles[0, local]
-                        tj = tiles[1, local]
-                        i = ti * self.cm + rank  # this CTA's 128-row block
+                        batch, _, tj, i = _tile_at(tiles, t, per_batch, self.cm, rank)
                         a_k = tAgA[(None, i, None, batch)]
                         b_k = tBgB[(None, tj, None, batch)]
                         for kt in range(k_tiles):
@@ -450,11 +454,7 @@ def kernel_class() -> type:
                 c_free = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 t = first
                 while t < total:
-                    batch = t // per_batch
-                    local = t - batch * per_batch
-                    ti = tiles[0, local]
-                    tj = tiles[1, local]
-                    i = ti * self.cm + rank
+                    batch, ti, tj, i = _tile_at(tiles, t, per_batch, self.cm, rank)
                     acc.fill(0.0)
                     # which of ``products`` this tile runs: one branch per tile, around its k-loops
                     variant = cutlass.Int32(0)
