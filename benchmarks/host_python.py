@@ -58,10 +58,11 @@ class _ZeroNS(Dion3):
         self._zero_batches: dict[tuple, torch.Tensor] = {}
         super().__init__(*args, **kwargs)
 
-    def _orthogonalize(self, g, owned, backend, tall, normalized):  # noqa: ANN001, ANN202 (Dion3's signature)
-        key = (tuple(owned.shape), g.ns.dtype)
+    def _orthogonalize(self, g, owned, backend, tall, normalized, rows):  # noqa: ANN001, ANN202 (Dion3's signature)
+        shape = owned[:, :rows].shape  # the real rows of a batch packed at the Gram side
+        key = (tuple(shape), g.ns.dtype)
         if key not in self._zero_batches:
-            self._zero_batches[key] = torch.zeros(owned.shape, dtype=g.ns.dtype)
+            self._zero_batches[key] = torch.zeros(shape, dtype=g.ns.dtype)
         return self._zero_batches[key], None
 
 
@@ -114,10 +115,12 @@ def _keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def ns_batches(shape: ModelShape, fraction: float, preference: str) -> list[tuple[torch.Tensor, bool, Backend]]:
-    """(x, tall, backend) of each distinct layer matrix shape's Newton-Schulz at ``fraction`` (its
-    selected rows x its columns), x one fp16 matrix packed at the backend's Gram side, as the
-    step hands it over normalized. ``preference`` "auto": the backend "auto" picks on a Hopper
+def ns_batches(
+    shape: ModelShape, fraction: float, preference: str
+) -> list[tuple[torch.Tensor, bool, Backend, int | None]]:
+    """(x, tall, backend, rows) of each distinct layer matrix shape's Newton-Schulz at
+    ``fraction`` (its selected rows x its columns), x one fp16 matrix packed at the backend's
+    Gram side, as the step hands it over normalized (with its real rows where wide). ``preference`` "auto": the backend "auto" picks on a Hopper
     GPU with CuteDSL (``dispatch.auto_choice``)."""
     out = []
     for rows, cols in dict.fromkeys(layer_matrices(shape)):
@@ -126,7 +129,7 @@ def ns_batches(shape: ModelShape, fraction: float, preference: str) -> list[tupl
         backend = dispatch.get_backend(preference if preference != "auto" else dispatch.auto_choice(side, True))
         padded = backend.gram_side(side)
         x = torch.empty((1, padded, max(k, cols)), dtype=torch.float16)
-        out.append((x.mT if tall else x, tall, backend))
+        out.append((x.mT if tall else x, tall, backend, None if tall else k))
     return out
 
 
@@ -139,8 +142,8 @@ def time_ns(shape: ModelShape, fraction: float, preference: str, steps: int, rou
         batches = ns_batches(shape, fraction, preference)
 
         def step() -> None:
-            for x, tall, backend in batches:
-                orthogonalize(x, settings, backend, tall, normalized=True, check=ResultCheck())  # as the step
+            for x, tall, backend, rows in batches:
+                orthogonalize(x, settings, backend, tall, True, ResultCheck(), rows)  # as the step
 
         for _ in range(3):
             step()
@@ -151,10 +154,10 @@ def time_ns(shape: ModelShape, fraction: float, preference: str, steps: int, rou
                 step()
             times.append((time.perf_counter() - t0) * 1e3 / steps)
         per_batch = []
-        for x, tall, backend in batches:
+        for x, tall, backend, rows in batches:
             t0 = time.perf_counter()
             for _ in range(steps):
-                orthogonalize(x, settings, backend, tall, normalized=True, check=ResultCheck())  # as the step
+                orthogonalize(x, settings, backend, tall, True, ResultCheck(), rows)  # as the step
             per_batch.append(((time.perf_counter() - t0) * 1e3 / steps, x, tall, backend))
     print(
         f"Newton-Schulz of {len(batches)} batches, f={fraction:g}: host ms per step (products stubbed) "

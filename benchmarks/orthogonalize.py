@@ -59,6 +59,8 @@ VARIANTS = {
     "cute_no_general": [(cute_symm, "GENERAL", 0)],
     # a pair's diagonal tiles computed whole, the block above the diagonal dropped after
     "cute_full_diagonal": [(cute_symm, "HALF_DIAGONAL", False)],
+    # the products over a padded Gram side read the whole side, zero rows included
+    "cute_whole_side": [(cute_symm, "SKIP_PADDING", False)],
     # the batch in one piece on one stream, not in halves on two (optim/orthogonalize.py)
     "cute_one_batch": [(orthogonalize_module, "HALVES_MIN_FLOPS", float("inf"))],
 }

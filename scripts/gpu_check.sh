@@ -50,7 +50,7 @@ for part in "$@"; do
         ;;
     ns)
         run "$PY" scripts/bench_orthogonalize.py --parts ns --backends triton,cute --no-ns5 \
-            --shapes 32x2048x2048,16x2752x4096 --rounds 5 --variants cute_one_batch,cute_full_diagonal
+            --shapes 32x2048x2048,16x2752x4096 --rounds 5 --variants cute_whole_side,cute_one_batch
         run "$PY" scripts/bench_sym_ab.py --shapes 32x2048,16x2816,4x8192 --configs default --reps 5 \
             --cute-variants HALF_DIAGONAL=0
         ;;

@@ -332,7 +332,7 @@ def test_tall_gram_result_is_laid_out_as_the_callers_rows(side, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 50, 10, generator=g, dtype=torch.float64)
     settings = NSSettings("gram", PE, (2,), torch.float64)
-    ops = TorchOps() if side == 10 else _PaddingOps()
+    ops = TorchOps() if side == 10 else PaddedSideOps()
     out = orthogonalize(x, settings, ops)
     assert out.shape == x.shape and out.stride(-1) == 1, f"seed {seed}: strides {out.stride()}"
     assert _rel(out, ns_polynomial_via_svd(x, PE)) < 1e-10, f"seed {seed}"
@@ -345,11 +345,37 @@ def test_tall_gram_result_is_laid_out_as_the_callers_rows(side, seed):
 
 
 # ------------------------------------------------------------------------------ Gram-side padding
-class _PaddingOps(TorchOps):
-    """The torch backend asking for Gram sides rounded up to a multiple of 16."""
+class PaddedSideOps(TorchOps):
+    """The torch backend asking for Gram sides rounded up to a multiple of ``side`` and, with
+    ``depth``, reading the products over them only to the real side rounded up to a multiple of
+    ``depth`` (``Backend.gram_side``, ``gram_depth``). ``inner`` records the inner dimension of
+    every product it makes."""
+
+    def __init__(self, side: int = 16, depth: int | None = None) -> None:
+        self.side, self.depth, self.inner = side, depth, []
 
     def gram_side(self, n: int) -> int:
-        return -(-n // 16) * 16
+        return -(-n // self.side) * self.side
+
+    def gram_depth(self, n: int) -> int:
+        side = self.gram_side(n)
+        return side if self.depth is None else min(side, -(-n // self.depth) * self.depth)
+
+    def mm(self, a, b, out=None):
+        self.inner.append(a.shape[-1])
+        return super().mm(a, b, out)
+
+    def mm_add(self, a, b, c, alpha, beta, out=None):
+        self.inner.append(a.shape[-1])
+        return super().mm_add(a, b, c, alpha, beta, out)
+
+    def sym_mm(self, a, b):
+        self.inner.append(a.shape[-1])
+        return super().sym_mm(a, b)
+
+    def sym_addmm(self, a, b, c, alpha, beta):
+        self.inner.append(a.shape[-1])
+        return super().sym_addmm(a, b, c, alpha, beta)
 
 
 @pytest.mark.parametrize("algorithm", ["gram", "standard"])
@@ -363,13 +389,71 @@ def test_padding_to_the_backends_gram_side_changes_nothing(algorithm, shape, see
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     settings = NSSettings(algorithm, PE, (2,), torch.float64)
     plain = orthogonalize(x, settings, TorchOps())
-    padded = orthogonalize(x, settings, _PaddingOps())
+    padded = orthogonalize(x, settings, PaddedSideOps())
     assert padded.shape == x.shape
     assert _rel(padded, plain) < 1e-12, f"seed {seed}"
     auto = NSSettings("auto", PE, (2,), torch.float64)
     square = torch.randn(2, 40, 40, generator=g, dtype=torch.float64)
     standard = orthogonalize(square, NSSettings("standard", PE, (2,), torch.float64), TorchOps())
-    assert _rel(orthogonalize(square, auto, _PaddingOps()), standard) < 1e-12, f"seed {seed}"
+    assert _rel(orthogonalize(square, auto, PaddedSideOps()), standard) < 1e-12, f"seed {seed}"
+
+
+@pytest.mark.parametrize("algorithm", ["gram", "standard"])
+@pytest.mark.parametrize("shape", [(3, 37, 90), (2, 90, 37), (2, 37, 37)], ids=["wide", "tall", "square"])
+def test_products_over_a_padded_side_skip_its_zero_rows(algorithm, shape, seed):
+    """Where the backend reads the products over a padded Gram side only to its depth (CuteDSL:
+    whole k-slices), every product but X X^T has that inner dimension, and the result equals
+    the run reading the whole side in float64 to rounding: the rows skipped are zero, and Q's
+    padded block (a I) only ever meets zero rows of Z or X."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    settings = NSSettings(algorithm, PE, (2,), torch.float64)
+    whole, skipping = PaddedSideOps(32), PaddedSideOps(32, depth=8)
+    want, got = orthogonalize(x, settings, whole), orthogonalize(x, settings, skipping)
+    assert got.shape == x.shape
+    assert _rel(got, want) < 1e-12, f"seed {seed}"
+    n, m = sorted(shape[1:])
+    assert set(whole.inner) == {64, m} and set(skipping.inner) == {40, m}, (whole.inner, skipping.inner)
+    assert len(skipping.inner) == len(whole.inner)
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_a_batch_packed_at_the_gram_side_names_its_rows(normalized, seed):
+    """A caller that packs a wide batch at the backend's Gram side (the optimizer's step) passes
+    its real rows: the result has those rows and equals the unpadded input's, the products skip
+    the padding as for a batch padded here; a tall batch cannot name rows; an empty batch (a
+    replica's empty share) comes back with the real rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 37, 90, generator=g, dtype=torch.float64)
+    settings = NSSettings("gram", PE, (2,), torch.float64)
+    if normalized:
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    want = orthogonalize(x, settings, TorchOps(), normalized=normalized)
+    ops = PaddedSideOps(32, depth=8)
+    packed = torch.nn.functional.pad(x, (0, 0, 0, 64 - 37))
+    got = orthogonalize(packed, settings, ops, tall=False, normalized=normalized, rows=37)
+    assert got.shape == x.shape and _rel(got, want) < 1e-12, f"seed {seed}"
+    assert set(ops.inner) == {40, 90}, ops.inner
+    with pytest.raises(ValueError, match="rows"):
+        orthogonalize(packed.mT, settings, ops, tall=True, rows=37)
+    empty = orthogonalize(packed[:0], settings, ops, tall=False, normalized=normalized, rows=37)
+    assert empty.shape == (0, 37, 90)
+
+
+def test_cute_reads_a_padded_side_to_whole_k_slices(monkeypatch):
+    """CuteDSL's products over a padded Gram side read to the real side rounded up to its
+    k-slice: 2752 (7B's w1/w3 rows at f = 1/4) at its side 2816 reads 2752; sides that are
+    whole tiles, or whose padding is less than a k-slice, read the whole side; with
+    SKIP_PADDING off, every side. (The instance is made without its constructor's GPU check:
+    the rule is host arithmetic.)"""
+    from dion3_titan.kernels import cute_symm
+
+    ops = object.__new__(cute_symm.CuteOps)
+    sides = (100, 1000, 1376, 2752, 2816, 4096)
+    assert [ops.gram_side(n) for n in sides] == [100, 1024, 1408, 2816, 2816, 4096]
+    assert [ops.gram_depth(n) for n in sides] == [100, 1024, 1408, 2752, 2816, 4096]
+    monkeypatch.setattr(cute_symm, "SKIP_PADDING", False)
+    assert [ops.gram_depth(n) for n in sides] == [100, 1024, 1408, 2816, 2816, 4096]
 
 
 def test_triton_gram_side_is_whole_tiles():

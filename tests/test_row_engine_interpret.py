@@ -215,6 +215,7 @@ def _checks(seed: int) -> list[dict]:
     out += _step_checks()
     out += _nonfinite_checks()
     out += _ns_void_checks()
+    out += _padded_side_checks()
     return out
 
 
@@ -553,6 +554,59 @@ def _step_checks() -> list[dict]:
                 "momentum": momentum,
             }
         )
+    return out
+
+
+def _padded_side_checks() -> list[dict]:
+    """Steps whose backend runs at a padded Gram side, reading the products over it only to its
+    depth (as CuteDSL does at 2752 rows of 2816): the engine's pack writes each wide batch at
+    that side, orthogonalize is told the batch's real rows, and the steps move the weights as
+    the same steps on the plain torch backend do (NS in float32: to rounding)."""
+    import itertools
+
+    import torch
+
+    import dion3_titan.optim.dion3 as dion3_module
+    from dion3_titan import Dion3
+    from dion3_titan.kernels.torch_ops import TorchOps
+    from dion3_titan.optim import engine, stages_engine
+    from tests.test_orthogonalize import PaddedSideOps
+
+    out = []
+    saved = engine.runs_on, dion3_module.select_backend, stages_engine.select_backend, dion3_module.orthogonalize
+    engine.runs_on = lambda backend, p: True
+    try:
+        for flavor, fraction in itertools.product(("muon", "normuon"), (0.25, 1.0)):
+            moved, calls = [], []
+            for backend in (TorchOps(), PaddedSideOps(32, depth=8)):
+                dion3_module.select_backend = stages_engine.select_backend = lambda *args, b=backend: b
+
+                def spy(x, *args, **kwargs):
+                    calls.append((x.shape[1], kwargs.get("rows", args[5] if len(args) > 5 else None)))
+                    return saved[3](x, *args, **kwargs)
+
+                dion3_module.orthogonalize = spy
+                torch.manual_seed(5)
+                params = [torch.nn.Parameter(torch.randn(48, 80) * 0.02), torch.nn.Parameter(torch.randn(2, 40, 24))]
+                start = [p.detach().clone() for p in params]
+                opt = Dion3([{"params": params}], lr=0.02, fraction=fraction, flavor=flavor, ns_dtype="float32")
+                for _ in range(2):
+                    for p in params:
+                        p.grad = torch.randn_like(p)
+                    opt.step()
+                moved.append([p.detach() - p0 for p, p0 in zip(params, start)])
+            err = max(((a - b).norm() / b.norm()).item() for a, b in zip(*moved))
+            out.append(
+                {
+                    "check": "padded_side",
+                    "case": f"{flavor},f={fraction}",
+                    "err": err,
+                    "calls": calls,
+                    "inner": sorted(set(backend.inner)),
+                }
+            )
+    finally:
+        engine.runs_on, dion3_module.select_backend, stages_engine.select_backend, dion3_module.orthogonalize = saved
     return out
 
 
@@ -996,6 +1050,26 @@ def test_captured_step_reads_new_gradient_tensors_with_and_without_a_norm(result
 def test_engine_skips_a_nonfinite_step_bit_for_bit(results) -> None:
     bad = [r for r in _of(results, "nonfinite") if not (r["ok"] and r["engine_used"])]
     assert not bad, bad
+
+
+def test_engine_packs_at_a_padded_gram_side_and_names_the_rows(results) -> None:
+    # (batch rows, rows named) of each orthogonalize call, plain backend (nothing padded, no
+    # rows named) then padded, and the padded backend's products' inner dimensions: 48 x 80
+    # selects 12 rows at f = 1/4 (side 32, read to 16), 2 x 40 x 24 selects 10 (side 32, read
+    # to 16); at f = 1 48 x 80 runs at side 64 read to 48, and 40 x 24 is tall (no rows named:
+    # transposed and padded inside, 24 -> 32 read to 24); X X^T reads the columns (80, 24, 40)
+    expected = {
+        0.25: ({(12, None), (10, None)}, {(32, 12), (32, 10)}, [16, 24, 80]),
+        1.0: ({(48, None), (40, None)}, {(64, 48), (40, None)}, [24, 40, 48, 80]),
+    }
+    found = {r["case"]: r for r in _of(results, "padded_side")}
+    assert set(found) == {f"{f},f={fr}" for f in ("muon", "normuon") for fr in expected}
+    for r in found.values():
+        plain, padded, inner = expected[float(r["case"].split("=")[1])]
+        calls = [tuple(c) for c in r["calls"]]
+        assert r["err"] < 1e-4, r
+        assert set(calls[: len(calls) // 2]) == plain and set(calls[len(calls) // 2 :]) == padded, r
+        assert r["inner"] == inner, r
 
 
 def test_engine_drops_a_nonfinite_ns_result(results) -> None:

@@ -61,6 +61,12 @@ class Backend:
         backend's kernels take their fastest form."""
         return n
 
+    def gram_depth(self, n: int) -> int:
+        """How far along the Gram side (``gram_side(n)``) Newton-Schulz's products over it read
+        their operands: the zero rows past n add nothing to them, so a backend whose kernels
+        take a shorter inner dimension as fast skips them. At least n; here the whole side."""
+        return self.gram_side(n)
+
     def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """a @ b."""
         raise NotImplementedError

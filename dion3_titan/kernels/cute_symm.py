@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from dion3_titan.kernels.cute_symm_sm90 import TILE, kernel_class
+from dion3_titan.kernels.cute_symm_sm90 import TILE, TILE_K, kernel_class
+from dion3_titan.kernels.launch import cdiv
 from dion3_titan.kernels.tma import grid_sms
 from dion3_titan.kernels.triton_ops import TritonOps, tile_order
 
@@ -48,6 +49,11 @@ GENERAL = 1
 # limit, where energy is clock: 1-2% per symmetric product at 2048 and 2816 on one H100
 # (docs/benchmarks.md, "Half products on the diagonal").
 HALF_DIAGONAL = True
+# Newton-Schulz's products over a padded Gram side read their operands only up to the real side
+# rounded up to whole k-slices (``CuteOps.gram_depth``): the zero rows past it add nothing. At
+# 7B's w1/w3 rows at f = 1/4 (2752, padded to 2816) every product after X X^T runs 43 k-slices
+# instead of 44. False: they read the whole side.
+SKIP_PADDING = True
 
 
 def pairs(n: int) -> bool:
@@ -152,14 +158,13 @@ def _rect_table(rows: int, cols: int, group: int, device: torch.device) -> torch
 def _same_operand(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the product reads the same matrix on both sides, so that D[r, c] and D[c, r] are
     the same products in the same order and need no mirror: a one view of b^T's memory (X X^T),
-    or a and b one view of a symmetric matrix (A A, symmetric by sym_gemm's contract: its result
-    is). From shapes and strides, without making b^T."""
+    or a and b views of one symmetric matrix S from its origin, S[:n, :k] and S[:k, :n] (A A,
+    also read to a depth k < n; S symmetric by sym_gemm's contract: its result is). From shapes
+    and strides, without making b^T."""
     if a.data_ptr() != b.data_ptr():
         return False
     (L, n, k), (sa, sb) = a.shape, (a.stride(), b.stride())
-    if b.shape == (L, k, n) and sa == (sb[0], sb[2], sb[1]):
-        return True
-    return n == k and b.shape == a.shape and sa == sb
+    return b.shape == (L, k, n) and (sa == (sb[0], sb[2], sb[1]) or sa == sb)
 
 
 def _majors(a: torch.Tensor, b: torch.Tensor, sides: tuple[int, ...]) -> tuple[str, str] | None:
@@ -273,6 +278,10 @@ class CuteOps(TritonOps):
                 "backend='cute' needs nvidia-cutlass-dsl importable and a Hopper (SM90) CUDA GPU; "
                 "use backend='triton' or 'auto'"
             )
+
+    def gram_depth(self, n: int) -> int:
+        side = self.gram_side(n)
+        return min(side, cdiv(n, TILE_K) * TILE_K) if SKIP_PADDING else side
 
     def mm_add(
         self,

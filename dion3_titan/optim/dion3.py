@@ -420,9 +420,8 @@ class Dion3(torch.optim.Optimizer):
             owned, owned_v = sg.exchange.gather(owned, None if owned_v is None else owned_v.unsqueeze(-1))
             owned_v = None if owned_v is None else owned_v.squeeze(-1)
         backend = select_backend(g.cfg.backend, tuple(owned.shape), g.cfg.compute_dtype, owned.device)
-        ortho, flagged = self._orthogonalize(g, owned, backend, tall, packed.normalized)  # 5. orthogonalize
-        if ortho.shape[1] > sg.k and not moves:  # rows packed at the backend's Gram side
-            ortho = ortho[:, : sg.k]
+        # 5. orthogonalize
+        ortho, flagged = self._orthogonalize(g, owned, backend, tall, packed.normalized, packed.rows)
         ortho, bad, row_sq = self._checked(g, stages, ortho, moves, flagged)
         norm = stages.normalize(g, ortho, owned_v, bad, row_sq)  # 6. normalize (the flavor's)
         mine = self._exchange_back(sg, norm)  # 7. exchange back
@@ -452,16 +451,17 @@ class Dion3(torch.optim.Optimizer):
         self.observer.record(out.g, out.sel, out.result, out.norm, out.lr, out.void)
 
     def _orthogonalize(
-        self, g: GroupStep, owned: torch.Tensor, backend: Backend, tall: bool, normalized: bool
+        self, g: GroupStep, owned: torch.Tensor, backend: Backend, tall: bool, normalized: bool, rows: int | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """polar() of the owned batch, and which of its matrices are not finite where NS's last
         product flagged them (else None). Across HSDP replicas each orthogonalizes its share
-        (the replicas' mean under compressed sync) and the results are joined on every replica."""
+        (the replicas' mean under compressed sync) and the results are joined on every replica.
+        ``rows``: the batch's real rows where the pack wrote it at the backend's Gram side."""
         replicas = g.sg.replicas
         x = owned if replicas is None else replicas.split(owned)
         # the replicas' shares are joined below: a flag per share would need joining too
         check = ResultCheck() if CHECKED_PRODUCT and replicas is None else None
-        ortho = orthogonalize(x, g.ns, backend, tall, normalized, check) if x.shape[0] else x.to(g.ns.dtype)
+        ortho = orthogonalize(x, g.ns, backend, tall, normalized, check, rows)
         if replicas is not None:
             return replicas.gather(ortho), None
         return ortho, None if check is None else check.bad

@@ -76,6 +76,14 @@ def _product(
     return ops.mm(a, b, out) if c is None else ops.mm_add(a, b, c, alpha, beta, out)
 
 
+def _inner(a: torch.Tensor, b: torch.Tensor, depth: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of a @ b over a Gram side, read up to ``depth`` along it (views): the rows
+    of a padded side past ``depth`` are zero, so their terms add nothing (``Backend.gram_depth``)."""
+    if depth is None or depth >= a.shape[-1]:
+        return a, b
+    return a[..., :depth], b[:, :depth]
+
+
 def is_transposed_batch(views: list[torch.Tensor]) -> bool:
     """True when every (B, n, m) view is the transpose of a contiguous tensor (a view that
     selects a weight's columns): batches built from them should keep that memory order."""
@@ -108,6 +116,7 @@ def gram_newton_schulz(
     column_major: bool = False,
     check: ResultCheck | None = None,
     out: torch.Tensor | None = None,
+    depth: int | None = None,
 ) -> torch.Tensor:
     """Alg. 3 on a wide, normalized x (B, n, m), n <= m.
 
@@ -119,6 +128,9 @@ def gram_newton_schulz(
     memory order of a tall caller's rows, so the passes after NS read it row by row.
     ``check``: the last product flags the matrices whose result is not finite (``ResultCheck``).
     ``out``: where the last product writes the result (of its shape and memory order).
+    ``depth``: x's rows from there on are zero padding; the products over the Gram side
+    (all but X X^T) read their operands only up to it (Q's padded block is a I, but the
+    operand it meets there, Z or X, is zero).
     """
     ops = backend
     xt = x.mT
@@ -128,25 +140,25 @@ def gram_newton_schulz(
     for t, (a, b, c) in enumerate(coefficients):
         if t > 0 and t in restarts:
             if q is not None:
-                x = ops.mm(q, x)
+                x = ops.mm(*_inner(q, x, depth))
                 xt = x.mT
             r = ops.sym_mm(x, xt)
             q = None
-        z = ops.sym_addmm(r, r, r, alpha=c, beta=b)
+        z = ops.sym_addmm(*_inner(r, r, depth), r, alpha=c, beta=b)
         # R is needed only by a later iteration that does not restart.
         if t + 1 < steps and (t + 1) not in restarts:
-            rz = ops.sym_addmm(r, z, r, alpha=1.0, beta=a)
-            r = ops.sym_addmm(z, rz, rz, alpha=1.0, beta=a)
+            rz = ops.sym_addmm(*_inner(r, z, depth), r, alpha=1.0, beta=a)
+            r = ops.sym_addmm(*_inner(z, rz, depth), rz, alpha=1.0, beta=a)
         if q is None:  # Q = Z + a I, in Z's memory: nothing reads Z after this
             q = z
             q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            q = ops.sym_addmm(q, z, q, alpha=1.0, beta=a)
+            q = ops.sym_addmm(*_inner(q, z, depth), q, alpha=1.0, beta=a)
     if q is None:
         return x
     if column_major:
-        return _product(ops, x.mT, q, None, 1.0, 0.0, check, None if out is None else out.mT).mT
-    return _product(ops, q, x, None, 1.0, 0.0, check, out)
+        return _product(ops, *_inner(x.mT, q, depth), None, 1.0, 0.0, check, None if out is None else out.mT).mT
+    return _product(ops, *_inner(q, x, depth), None, 1.0, 0.0, check, out)
 
 
 def standard_newton_schulz(
@@ -155,15 +167,16 @@ def standard_newton_schulz(
     backend: Backend,
     check: ResultCheck | None = None,
     out: torch.Tensor | None = None,
+    depth: int | None = None,
 ) -> torch.Tensor:
-    """Alg. 1 on a wide, normalized x: A = X X^T, B = b A + c A^2, X <- a X + B X. ``check``
-    and ``out``: as in ``gram_newton_schulz``."""
+    """Alg. 1 on a wide, normalized x: A = X X^T, B = b A + c A^2, X <- a X + B X. ``check``,
+    ``out`` and ``depth``: as in ``gram_newton_schulz``."""
     ops = backend
     last = len(coefficients) - 1
     for t, (a, b, c) in enumerate(coefficients):
         gram = ops.sym_mm(x, x.mT)
-        poly = ops.sym_addmm(gram, gram, gram, alpha=c, beta=b)
-        x = _product(ops, poly, x, x, 1.0, a, *((check, out) if t == last else (None, None)))
+        poly = ops.sym_addmm(*_inner(gram, gram, depth), gram, alpha=c, beta=b)
+        x = _product(ops, *_inner(poly, x, depth), x, 1.0, a, *((check, out) if t == last else (None, None)))
     return x
 
 
@@ -233,6 +246,7 @@ def orthogonalize(
     tall: bool | None = None,
     normalized: bool = False,
     check: ResultCheck | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """polar(x) for a batch x (B, n, m) of either orientation; result in ``settings.dtype``.
 
@@ -242,29 +256,43 @@ def orthogonalize(
     rounding noise that the iteration amplifies; zero rows or columns stay exactly zero.
     ``normalized``: x is already ``normalize_batch``'s output (scaled, in the compute dtype).
     A Gram side the backend prefers larger (``Backend.gram_side``) is zero-padded here; a
-    caller that packs its batch at that side already avoids the copy. ``check``: the last
-    product flags the matrices whose result is not finite, where the backend can (``ResultCheck``).
+    caller that packs its batch at that side already avoids the copy and names its real
+    ``rows`` (a wide x: its rows from there on are zero). The products over the Gram side read
+    only to ``Backend.gram_depth``. The result has the real rows. ``check``: the last product
+    flags the matrices whose result is not finite, where the backend can (``ResultCheck``).
     """
     if x.ndim != 3:
         raise ValueError(f"orthogonalize expects a (B, n, m) batch, got shape {tuple(x.shape)}")
     if tall is None:
         tall = x.shape[-2] > x.shape[-1]
+    if tall and rows is not None:
+        raise ValueError(
+            "orthogonalize: rows names the real rows of a wide batch packed at its Gram side; got tall=True"
+        )
     if tall:
         x = x.mT
-    n, m = x.shape[-2:]
+    packed, m = x.shape[-2:]
+    n = packed if rows is None else rows
+    if x.shape[0] == 0:  # a replica's empty share of a batch
+        empty = x[:, :n].to(settings.dtype)
+        return empty.mT if tall else empty
     algorithm = resolve_algorithm(settings.algorithm, n, m)  # of the real shape, before padding
-    side = backend.gram_side(n)  # zero rows stay zero: the result's first n rows are unchanged
+    # zero rows stay zero: the result's first n rows are unchanged
+    side = max(backend.gram_side(n), packed)
+    depth = backend.gram_depth(n)
     if not normalized:
         xn = backend.normalize(x, settings.eps, settings.dtype, side)
-    elif side > n:
-        xn = torch.nn.functional.pad(x, (0, 0, 0, side - n))
+    elif side > packed:
+        xn = torch.nn.functional.pad(x, (0, 0, 0, side - packed))
     else:
         xn = x
 
     def run(batch: torch.Tensor, batch_check: ResultCheck | None, out: torch.Tensor | None) -> torch.Tensor:
         if algorithm == "gram":
-            return gram_newton_schulz(batch, settings.coefficients, settings.restarts, backend, tall, batch_check, out)
-        return standard_newton_schulz(batch, settings.coefficients, backend, batch_check, out)
+            return gram_newton_schulz(
+                batch, settings.coefficients, settings.restarts, backend, tall, batch_check, out, depth
+            )
+        return standard_newton_schulz(batch, settings.coefficients, backend, batch_check, out, depth)
 
     column_major = algorithm == "gram" and tall
     out = in_halves(xn, run, check, column_major) if runs_in_halves(xn) else run(xn, check, None)

@@ -67,6 +67,8 @@ class Packed:
     x: torch.Tensor  # (N, K, C), zero-padded
     row_data: torch.Tensor | None  # (N, K) per-row data that travels with the rows
     normalized: bool  # x is already Newton-Schulz's input (scaled, in its dtype)
+    # x's real rows where it is packed at the backend's Gram side (the rows past them are zero)
+    rows: int | None = None
 
 
 @dataclass(frozen=True)

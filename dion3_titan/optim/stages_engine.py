@@ -96,7 +96,8 @@ class RowEngineStages(Stages):
             norm_scale=scale,
             sumsq=norm_sq,
         )
-        return Packed(x, row_data, whole or norm_sq is not None)
+        at_side = whole and not tall and shape[1] > sg.k
+        return Packed(x, row_data, whole or norm_sq is not None, sg.k if at_side else None)
 
     def _batch(
         self, g: GroupStep, moves: bool, tall: bool, norm_sq: torch.Tensor | None

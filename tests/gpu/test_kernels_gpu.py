@@ -196,7 +196,7 @@ def _cute_ready() -> bool:
 @pytest.mark.parametrize("n", [128, 1000, 2048])
 @pytest.mark.parametrize("k", [128, 640, 4096])
 @pytest.mark.parametrize("with_c", [False, True])
-@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT", "s,s"])
+@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT", "s,s", "r,r.mT:k", "s,s:k"])
 def test_cute_sym_gemm(
     dtype: torch.dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int, monkeypatch
 ) -> None:
@@ -205,8 +205,8 @@ def test_cute_sym_gemm(
     """The 128 x 128 form (one CTA per tile), on every side, the pair form's too: as
     _cute_sym_gemm_checked says; outside the kernel's limits it returns None (the backend falls
     back to Triton)."""
-    if layout == "s,s" and k != 640:
-        pytest.skip("S @ S has k = n: one case per n")
+    if layout.startswith("s,s") and k != 640:
+        pytest.skip("S @ S has k = n (or n - 64): one case per n")
     from dion3_titan.kernels import cute_symm
 
     monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 1 << 30)
@@ -220,7 +220,7 @@ def test_cute_sym_gemm(
 @pytest.mark.parametrize("n", [256, 768, 2048])
 @pytest.mark.parametrize("k", [64, 640])
 @pytest.mark.parametrize("with_c", [False, True])
-@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT", "s,s"])
+@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT", "s,s", "r,r.mT:k", "s,s:k"])
 def test_cute_sym_gemm_pair(dtype, L: int, n: int, k: int, with_c: bool, layout: str, seed: int, monkeypatch) -> None:
     """The pair form (two CTAs of a cluster on a 256 x 256 tile, B multicast to both): exact
     symmetry, every element written, fp16/bf16 error within twice cuBLAS's against float64,
@@ -229,8 +229,8 @@ def test_cute_sym_gemm_pair(dtype, L: int, n: int, k: int, with_c: bool, layout:
         pytest.skip("CuteDSL or an SM90 GPU missing")
     from dion3_titan.kernels import cute_symm
 
-    if layout == "s,s" and k != 640:
-        pytest.skip("S @ S has k = n: one case per n")
+    if layout.startswith("s,s") and k != 640:
+        pytest.skip("S @ S has k = n (or n - 64): one case per n")
     monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 256)
     got, out, built = _cute_sym_gemm_checked(dtype, L, n, k, with_c, layout, seed, monkeypatch)
     assert got is out and [pair for pair, _ in built] == [True], f"the pair kernel did not run (seed {seed})"
@@ -241,20 +241,26 @@ def _cute_sym_gemm_checked(dtype, L: int, n: int, k: int, with_c: bool, layout: 
     returns None outside its limits): every element written, exactly symmetric, error against
     float64 within twice cuBLAS's, the diagonal blocks mirrored exactly where the two operands
     are different memory ("r,r.mT") and left as computed where they are one matrix (X X^T,
-    S S). Returns (what it returned, the buffer, the (pair, mirror) of each kernel it ran)."""
+    S S). ":k": each operand read only to a depth short of its memory (views whose strides
+    exceed their extent, as Newton-Schulz reads a padded Gram side): X's first k of k + 64
+    columns, S's first n - 64 rows and columns, still one matrix (no mirror). Returns (what it
+    returned, the buffer, the (pair, mirror) of each kernel it ran)."""
     from dion3_titan.kernels import cute_symm
 
     built = []
     real = cute_symm._compiled
     monkeypatch.setattr(cute_symm, "_compiled", lambda *args: built.append(args[5:7]) or real(*args))
-    x = torch.randn(L, n, k, device="cuda").to(dtype)
+    depth = layout.endswith(":k")
+    x = torch.randn(L, n, k + 64 if depth else k, device="cuda").to(dtype)
     # "r,r.mT": the first operand k-major, the second n-major (R @ R-style products);
     # "s,s": one symmetric n x n matrix on both sides (A A of Newton-Schulz)
-    if layout == "s,s":
+    if layout.startswith("s,s"):
         x = _symmetric(L, n, dtype)
-        a, b = x, x
+        a, b = (x[..., : n - 64], x[:, : n - 64]) if depth else (x, x)
+    elif layout == "x,x.mT":
+        a, b = x, x.mT
     else:
-        a, b = (x, x.mT) if layout == "x,x.mT" else (x, x.mT.contiguous())
+        a, b = x[..., :k], x.mT.contiguous()[:, :k]
     ref = torch.bmm(a.double(), b.double())
     c, alpha, beta = None, 1.0, 0.0
     theirs = torch.bmm(a, b)
@@ -268,7 +274,7 @@ def _cute_sym_gemm_checked(dtype, L: int, n: int, k: int, with_c: bool, layout: 
     if got is None:
         return got, out, built
     assert got is out
-    assert [mirror for _, mirror in built] == [layout == "r,r.mT"], f"mirror chosen wrongly: {built}"
+    assert [mirror for _, mirror in built] == [layout.startswith("r,")], f"mirror chosen wrongly: {built}"
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"unwritten or non-finite output (seed {seed})"
     assert torch.equal(out, out.mT), f"result is not exactly symmetric (seed {seed})"
@@ -417,14 +423,21 @@ def test_persistent_kernels_replay_from_a_cuda_graph(seed: int) -> None:
         assert all(torch.equal(o, o.mT) for o in outs[:3])
 
 
-@pytest.mark.parametrize("side", [1024, 2048, 4096], ids=["tiles1024", "pairs2048", "pairs4096"])
-def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int, seed: int, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [(1024, 1024), (2048, 2048), (4096, 4096), (2752, 4096)],
+    ids=["tiles1024", "pairs2048", "pairs4096", "gram2752"],
+)
+def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(shape: tuple, seed: int, monkeypatch) -> None:
     """backend = "auto" on Hopper: a batch whose shape the measured table sends to CuteDSL
     (dispatch.prefers_cute: 128 x 128 tiles at 1024, pair tiles from 2048 on) is orthogonalized
     by the CuteDSL kernels inside the captured step, in the form the table names, its
-    X <- a X + B X in the general mode (cute_symm.GENERAL), the last one checking its result for
-    the Muon flavor (no pass of row sums). The capture calls them (the replays call nothing on the host), and the replayed steps move
-    the weights exactly as eager steps with backend = "cute" do."""
+    X <- a X + B X (or Gram NS's last Q X) in the general mode (cute_symm.GENERAL), the last
+    one checking its result for the Muon flavor (no pass of row sums). 2752 rows (7B's w1/w3 at
+    f = 1/4) run at the Gram side 2816, packed there by the step, and the products over it read
+    only the first 2752 rows (cute_symm.SKIP_PADDING). The capture calls them (the replays
+    call nothing on the host), and the replayed steps move the weights exactly as eager steps
+    with backend = "cute" do."""
     if not _cute_ready():
         pytest.skip("CuteDSL or an SM90 GPU missing")
     from dion3_titan import Dion3
@@ -432,18 +445,24 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
     from dion3_titan.optim import engine
     from dion3_titan.optim.cuda_graph import GraphedOptimizer
 
-    shape = (side, side)  # fraction 1: one square batch, standard NS
-    assert dispatch.prefers_cute(shape[0]), "the table no longer sends this shape to CuteDSL"
+    # fraction 1: one batch, standard NS where square, Gram NS at 2752 x 4096
+    side = dispatch.get_backend("triton").gram_side(shape[0])
+    assert dispatch.prefers_cute(side), "the table no longer sends this shape to CuteDSL"
+    # what the symmetric products read along their inner dimension: X X^T the columns, the
+    # others the side to its depth (2752 of 2816 at 2752 rows; the whole side where square)
+    depths = {shape[1], dispatch.get_backend("cute").gram_depth(shape[0])}
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(*shape, generator=gen).cuda()
     grads = [torch.randn(*shape, generator=gen).cuda() for _ in range(6)]
     calls = {"cute": 0, "general": 0, "checked": 0, "row_sums": 0}
     forms: set[bool] = set()  # the pair flag of every kernel the capture built or looked up
     real, real_gemm, real_compiled = cute_symm.sym_gemm, cute_symm.gemm, cute_symm._compiled
+    read: set[int] = set()  # the inner dimension of every symmetric product
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         calls["cute"] += out is not None
+        read.add(args[0].shape[-1])
         return out
 
     def gemm_spy(*args, **kwargs):
@@ -486,9 +505,50 @@ def test_auto_runs_cutedsl_in_a_captured_step_where_the_table_sends_it(side: int
             assert captured["checked"] == 1 and captured["row_sums"] == 0 or not cute_symm.GENERAL, captured
             assert calls == captured, "replays called kernels from the host"
             assert forms == {cute_symm.pairs(side)}, f"pair form {forms} at side {side}"
+            assert read == depths, f"products read {read}, expected {depths}"
         torch.cuda.synchronize()
         moved[backend] = w.detach().clone()
     assert torch.equal(moved["auto"], moved["cute"]), f"replayed steps differ from eager CuteDSL steps (seed {seed})"
+
+
+@pytest.mark.parametrize(
+    "shape", [(3, 2752, 3072), (2, 3072, 2752), (2, 1344, 1344)], ids=["wide_pairs", "tall_pairs", "square_tiles"]
+)
+def test_cute_ns_reads_a_padded_side_to_its_depth(shape: tuple, seed: int, monkeypatch) -> None:
+    """CuteDSL's Newton-Schulz at a padded Gram side (2752 -> 2816 in pair tiles, Gram NS wide
+    and tall; 1344 -> 1408 in 128 x 128 tiles, standard NS) with the products over the side
+    read to its depth (cute_symm.SKIP_PADDING: 2752, 1344) against the same reading the whole
+    side: the products read what they should, and the results agree to fp16 rounding and are
+    as close to the float64 reference."""
+    if not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan.kernels import cute_symm
+    from dion3_titan.kernels.dispatch import get_backend
+    from dion3_titan.kernels.torch_ops import TorchOps
+    from dion3_titan.optim.config import coefficient_schedule
+    from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
+
+    coeffs = coefficient_schedule("polar_express", 5, 1.05)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*shape, device="cuda", generator=gen)
+    want = orthogonalize(x.double(), NSSettings("auto", coeffs, (2,), torch.float64), TorchOps())
+    settings, ops = NSSettings("auto", coeffs, (2,), torch.float16), get_backend("cute")
+    n, m = sorted(shape[1:])
+    side, depth = ops.gram_side(n), -(-n // 64) * 64
+    read: list[int] = []
+    real = cute_symm.sym_gemm
+    monkeypatch.setattr(cute_symm, "sym_gemm", lambda a, *args, **kw: read.append(a.shape[-1]) or real(a, *args, **kw))
+    skipping = orthogonalize(x, settings, ops)
+    assert set(read) == {m, depth}, f"read {sorted(set(read))}"
+    read.clear()
+    monkeypatch.setattr(cute_symm, "SKIP_PADDING", False)
+    whole = orthogonalize(x, settings, ops)
+    assert set(read) == {m, side}, f"read {sorted(set(read))}"
+    torch.cuda.synchronize()
+    assert skipping.shape == whole.shape == x.shape
+    err_skipping, err_whole = _rel_err(skipping, want), _rel_err(whole, want)
+    assert _rel_err(skipping, whole.double()) < 1e-2, f"seed {seed}"
+    assert err_skipping <= 1.25 * err_whole + 1e-3, f"{err_skipping} vs {err_whole} (seed {seed})"
 
 
 @pytest.mark.parametrize("backend", ["triton", "cute"])
