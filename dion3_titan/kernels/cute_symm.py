@@ -52,7 +52,8 @@ HALF_DIAGONAL = True
 # Newton-Schulz's products over a padded Gram side read their operands only up to the real side
 # rounded up to whole k-slices (``CuteOps.gram_depth``): the zero rows past it add nothing. At
 # 7B's w1/w3 rows at f = 1/4 (2752, padded to 2816) every product after X X^T runs 43 k-slices
-# instead of 44. False: they read the whole side.
+# instead of 44: 1.0% of the 7b f = 1/4 step on one H100 (docs/benchmarks.md, "Padded Gram sides
+# read to their depth"). False: they read the whole side.
 SKIP_PADDING = True
 
 
