@@ -92,6 +92,21 @@ def kernel_class() -> type:
         ti = tiles[0, local]
         return batch, ti, tiles[1, local], ti * cm + rank
 
+    def _load_slice(ring: Any, state: Any, a: tuple, b: tuple, kt: Any, cm: int) -> None:
+        """The producer's k-slice kt of a tile into the ring's stage ``state``: ``a`` and ``b``
+        are (TMA atom, the tile's slices, the staged shared-memory tile); a pair's CTA loads its
+        half of the B panel, multicast to both CTAs."""
+        (tma_a, a_k, sA), (tma_b, b_k, sB) = a, b
+        ring.producer_acquire(state)
+        bar = ring.producer_get_barrier(state)
+        cute.copy(tma_a, a_k[(None, kt)], sA[(None, state.index)], tma_bar_ptr=bar)
+        if cutlass.const_expr(cm > 1):
+            mask = cutlass.Int16((1 << cm) - 1)
+            cute.copy(tma_b, b_k[(None, kt)], sB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask)
+        else:
+            cute.copy(tma_b, b_k[(None, kt)], sB[(None, state.index)], tma_bar_ptr=bar)
+        ring.producer_commit(state)
+
     class SymGemmSm90:
         def __init__(
             self,
@@ -102,8 +117,14 @@ def kernel_class() -> type:
             general: bool = False,
             check: bool = False,
             half_diagonal: bool = False,
+            early_c: bool = False,
         ) -> None:
             self.has_c = has_c
+            # early_c: the producer loads C's blocks as soon as the epilogue tiles are free (the
+            # store warp frees them _C_FREE_KT slices into the tile), not after the tile's last
+            # A/B slice: every CTA's C then no longer arrives in one burst a few slices before
+            # the epilogue that waits for it (``cute_symm.EARLY_C``)
+            self.early_c = early_c and has_c
             # check (general mode): a block holding a NaN or inf once rounded sets its matrix's
             # flag, so the caller need not read the result again to know (``gemm``'s ``flags``)
             self.check = check and general
@@ -362,25 +383,21 @@ def kernel_class() -> type:
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                     c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                     t = first
+                    # the slice before which C's blocks are loaded: after the last one, or
+                    # (early_c) the first the producer reaches once the store warp has freed the
+                    # epilogue tiles (it is ``stages`` slices ahead of the consumers)
+                    c_at = k_tiles
+                    if cutlass.const_expr(self.early_c):
+                        c_at = cutlass.min(c_split + self.stages, k_tiles)
                     while t < total:
                         batch, _, tj, i = _tile_at(tiles, t, per_batch, self.cm, rank)
                         a_k = tAgA[(None, i, None, batch)]
                         b_k = tBgB[(None, tj, None, batch)]
-                        for kt in range(k_tiles):
-                            ring.producer_acquire(state)
-                            bar = ring.producer_get_barrier(state)
-                            cute.copy(tma_a, a_k[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            if cutlass.const_expr(self.cm > 1):
-                                cute.copy(
-                                    tma_b,
-                                    b_k[(None, kt)],
-                                    tBsB[(None, state.index)],
-                                    tma_bar_ptr=bar,
-                                    mcast_mask=cutlass.Int16((1 << self.cm) - 1),
-                                )
-                            else:
-                                cute.copy(tma_b, b_k[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                            ring.producer_commit(state)
+                        # the tile's A/B slices in two runs, C's blocks between them; the state
+                        # advances in the loop bodies (see the consumers' k-loop)
+                        a, b = (tma_a, a_k, tAsA), (tma_b, b_k, tBsB)
+                        for kt in range(c_at):
+                            _load_slice(ring, state, a, b, kt, self.cm)
                             state.advance()
                         if cutlass.const_expr(self.has_c):
                             c_pipe.producer_acquire(c_state)
@@ -390,6 +407,10 @@ def kernel_class() -> type:
                                 cute.copy(tma_ct, tUgU[(None, i, tj * self.cm + 1, batch)], tUsU, tma_bar_ptr=c_bar)
                             c_pipe.producer_commit(c_state)
                             c_state.advance()
+                        if cutlass.const_expr(self.early_c):
+                            for kt in range(c_at, k_tiles):
+                                _load_slice(ring, state, a, b, kt, self.cm)
+                                state.advance()
                         t += nblk
                     ring.producer_tail(state)
             else:

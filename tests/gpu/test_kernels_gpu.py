@@ -316,7 +316,7 @@ def test_cute_gemm_general(dtype, shape: tuple, with_c: bool, b_layout: str, see
     got = cute_symm.gemm(a, b, c, alpha, beta, out=out)
     assert got is out
     pair = n % 256 == 0 and m % 256 == 0
-    assert built == [(pair, False, True, False, False)], f"ran {built}"
+    assert built == [(pair, False, True, False, False, False)], f"ran {built}"
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"unwritten or non-finite output (seed {seed})"
     assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6, f"seed {seed}"
@@ -549,6 +549,53 @@ def test_cute_ns_reads_a_padded_side_to_its_depth(shape: tuple, seed: int, monke
     err_skipping, err_whole = _rel_err(skipping, want), _rel_err(whole, want)
     assert _rel_err(skipping, whole.double()) < 1e-2, f"seed {seed}"
     assert err_skipping <= 1.25 * err_whole + 1e-3, f"{err_skipping} vs {err_whole} (seed {seed})"
+
+
+@pytest.mark.parametrize("k", [64, 640, 2048])
+@pytest.mark.parametrize("form", ["x,x.mT", "r,r.mT", "s,s", "general", "general+check", "general_tiles"])
+def test_cute_early_c_gives_the_late_loads_bits(form: str, k: int, seed: int, monkeypatch) -> None:
+    """C's blocks loaded early (cute_symm.EARLY_C: once the epilogue tiles are free, between
+    the tile's A/B slices) give bit for bit the result of C loaded after the last slice, in the
+    forms Newton-Schulz runs with C (symmetric pairs with and without the mirror, the general
+    mode with and without the check, its 128 x 128 tiles), with fewer slices than the early
+    point (k = 64: after the last, as before), a few more (640: 10 slices, C after the 7th or
+    8th) and many (2048)."""
+    if not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan.kernels import cute_symm
+
+    monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 256)
+    built = []
+    real = cute_symm._compiled
+    monkeypatch.setattr(cute_symm, "_compiled", lambda *args: built.append(args[-1]) or real(*args))
+    L, n = 3, 512
+    x = torch.randn(L, n, k, device="cuda").to(torch.float16)
+    c = _symmetric(L, n, torch.float16)
+    if form == "s,s":
+        a = _symmetric(L, n, torch.float16)
+        b = a
+    elif form == "x,x.mT":
+        a, b = x, x.mT
+    elif form == "r,r.mT":
+        a, b = x, x.mT.contiguous()
+    else:
+        m = 640 if form == "general_tiles" else 768
+        a, b = x, torch.randn(L, k, m, device="cuda").to(torch.float16)
+        c = torch.randn(L, n, m, device="cuda").to(torch.float16)
+    flags = torch.zeros(L, dtype=torch.int32, device="cuda") if form == "general+check" else None
+
+    def product() -> torch.Tensor:
+        if form.startswith("general"):
+            return cute_symm.gemm(a, b, c, 0.75, -1.25, flags=flags)
+        return cute_symm.sym_gemm(a, b, c, 0.75, -1.25)
+
+    late = product()
+    monkeypatch.setattr(cute_symm, "EARLY_C", True)
+    early = product()
+    torch.cuda.synchronize()
+    assert built == [False, True], f"compiled with early_c {built}"
+    assert torch.isfinite(late).all(), f"seed {seed}"
+    assert torch.equal(early, late), f"early C changed the result (seed {seed})"
 
 
 @pytest.mark.parametrize("backend", ["triton", "cute"])
