@@ -6,8 +6,7 @@ matrices whose result is not finite) and ``CuteOps``, the backend that sends its
 
 Limits (the backend falls back to Triton outside them): CUDA SM90 only, n a multiple of 128,
 k a multiple of 8 and each operand with a unit stride in its n or k mode (TMA's 16-byte rule).
-Kernels are compiled once per (dtype, operand majors, with C, stages, pair form, mirror,
-general) and cached; shapes are dynamic.
+Kernels are compiled once per configuration (``_compiled``) and cached; shapes are dynamic.
 CuteDSL is imported lazily: this module imports without it.
 
 Its speed against cuBLAS and against the Triton backend: docs/kernels.md and docs/benchmarks.md.
@@ -62,6 +61,13 @@ SKIP_PADDING = True
 # tile (k = 8192, 2816, 2048), while every CTA's C leaves HBM in one burst at once, about as
 # long as the few slices the producer runs ahead. Off until measured.
 EARLY_C = False
+# A symmetric pair tile's second block waits in registers and is stored a few slices into the
+# CTA's next tile, under its wgmmas, instead of after the first block's TMA stores have read the
+# epilogue tiles. Every CTA of a wave stores at once (128 KB each, D and its transpose), so that
+# wait runs at the L2's shared rate: on one H100 a symmetric product spends 3.3-4.0 us per tile
+# outside its mainloop (docs/benchmarks.md, "Where a symmetric product's time goes at
+# Newton-Schulz's sides"). Off until measured.
+DEFER_BLOCK = False
 
 
 def pairs(n: int) -> bool:
@@ -104,12 +110,14 @@ def _compiled(
     check: bool = False,
     half_diagonal: bool = False,
     early_c: bool = False,
+    defer: bool = False,
 ) -> Any:
     """Compile once per configuration; shapes and strides stay dynamic (symbolic). ``general``:
     the (n, m) product of ``gemm`` (m its own size), else the symmetric (n, n) one; ``check``:
     its epilogue flags the matrices whose result is not finite; ``half_diagonal``: a pair's
     diagonal tiles skip the block above the diagonal (``HALF_DIAGONAL``); ``early_c``: C's
-    blocks loaded once the epilogue tiles are free (``EARLY_C``)."""
+    blocks loaded once the epilogue tiles are free (``EARLY_C``); ``defer``: a symmetric pair
+    tile's second block stored in the next tile's mainloop (``DEFER_BLOCK``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -130,7 +138,7 @@ def _compiled(
     d = make_fake_tensor(dtype, (L, n, m), strides(2), assumed_align=16)
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
     flags = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,))
-    kernel = kernel_class()(has_c, stages, pair, mirror, general, check, half_diagonal, early_c)
+    kernel = kernel_class()(has_c, stages, pair, mirror, general, check, half_diagonal, early_c, defer)
     return cute.compile(
         kernel,
         a,
@@ -217,7 +225,9 @@ def _launch(
     check = flags is not None
     half = HALF_DIAGONAL and pair and not general
     early = EARLY_C and has_c
-    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, PAIR_STAGES if pair else STAGES, *form, check, half, early)
+    defer = DEFER_BLOCK and pair and not general
+    stages = PAIR_STAGES if pair else STAGES
+    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, stages, *form, check, half, early, defer)
     cm = 2 if pair else 1
     ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
     flag_arg = flags if check else _unwritten(a.device)

@@ -31,6 +31,12 @@ stored, and (``cute_symm.HALF_DIAGONAL``) not computed: the first CTA of a diago
 wgmmas on the B panel's first 128 rows into its accumulator's first block.
 With C, the second block of C comes into the column-major tile through C's transposed view (C is
 symmetric), and both blocks of C are read before either is overwritten.
+With ``defer`` (``cute_symm.DEFER_BLOCK``) the epilogue stores only the first block: the second
+stays in registers (rounded, 32 per thread) and is written and stored a few slices into the
+CTA's next tile, under its wgmmas, so no epilogue waits for its own first block's stores to have
+read the two shared tiles (every CTA of a wave stores at once, at the L2's shared rate). C's
+blocks then come once that block's stores have read them, a few slices later; the CTA's last
+tile's block is stored after its loop.
 
 The general mode (``gemm``: alpha A B + beta C with no symmetry, X <- a X + B X of standard
 Newton-Schulz): every tile of the (n, m) result in the same banded order, both epilogue tiles
@@ -107,6 +113,64 @@ def kernel_class() -> type:
             cute.copy(tma_b, b_k[(None, kt)], sB[(None, state.index)], tma_bar_ptr=bar)
         ring.producer_commit(state)
 
+    @cute.jit
+    def _store_block(out: Any, at: tuple, copies: tuple, tiles: tuple, mirror_views: tuple, stores: tuple) -> None:
+        """A symmetric product's 128 x 128 block of D, rounded in the registers ``out`` (retiled
+        for the epilogue's shared-memory copies), stored at ``at`` = (i, j, batch) if j <= i: the
+        store warp waits for the previous stores to have read the two epilogue tiles, the
+        consumers write the block into both (row- and column-major), a diagonal block takes its
+        upper triangle from its lower (``mirror_views``: empty when the product needs no mirror),
+        and the store warp sends them to (i, j) of D and of D's transposed view."""
+        i, j, batch = at
+        warp, mma_tidx, strip_regs = copies[0], copies[1], copies[2]
+        r2s_d, r2s_dt = copies[3], copies[4]
+        sD_strips, sDT_strips = tiles
+        tma_d, tDsD, tDgD, tma_dt, tTsT, tTgT = stores
+        strips = cute.size(sD_strips, mode=[3])
+        per_strip = cute.size(strip_regs)
+        if j <= i:  # a pair's tile on the diagonal has one block above it
+            # the previous block's (or tile's) stores must have read the tiles
+            if warp == _STORE_WARP:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # ... and every thread be done with C's blocks
+            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+            for strip in cutlass.range_constexpr(strips):
+                for v in cutlass.range_constexpr(per_strip):
+                    strip_regs[v] = out[strip * per_strip + v]
+                cute.copy(r2s_d, strip_regs, r2s_d.partition_D(sD_strips[(None, None, 0, strip)]))
+                cute.copy(r2s_dt, strip_regs, r2s_dt.partition_D(sDT_strips[(None, None, 0, strip)]))
+            if cutlass.const_expr(len(mirror_views) > 0):
+                sD_chunks, sDT_as_D, upper, lower = mirror_views
+                if i == j:
+                    # a diagonal block: the upper triangle becomes the transpose of the lower,
+                    # whatever the MMA's summation order. sDT holds the block too, in a layout
+                    # that is sD's with its modes swapped: sDT[c, r] lies at sD[r, c]'s offset.
+                    # So the mirror copies sDT's memory into sD's at equal offsets, 16 bytes (8
+                    # columns of a row) at a time; a chunk the diagonal crosses keeps its lower
+                    # part (merged in registers). Chunks are dealt round-robin, so every warp
+                    # gets rows from the whole block.
+                    cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+                    for e in cutlass.range_constexpr(TILE * _ROW_CHUNKS // _MMA_THREADS):
+                        q = e * _MMA_THREADS + mma_tidx
+                        r = q // _ROW_CHUNKS
+                        chunk = q - r * _ROW_CHUNKS
+                        c0 = chunk * _CHUNK
+                        if c0 + _CHUNK - 1 > r:  # some of its columns lie above the diagonal
+                            cute.autovec_copy(sDT_as_D[(None, (r, chunk))], upper)
+                            if c0 <= r:
+                                cute.autovec_copy(sD_chunks[(None, (r, chunk))], lower)
+                                for v in cutlass.range_constexpr(_CHUNK):
+                                    if c0 + v <= r:
+                                        upper[v] = lower[v]
+                            cute.autovec_copy(upper, sD_chunks[(None, (r, chunk))])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
+            if warp == _STORE_WARP:
+                cute.copy(tma_d, tDsD, tDgD[(None, i, j, batch)])
+                if i != j:
+                    cute.copy(tma_dt, tTsT, tTgT[(None, i, j, batch)])
+                cute.arch.cp_async_bulk_commit_group()
+
     class SymGemmSm90:
         def __init__(
             self,
@@ -118,6 +182,7 @@ def kernel_class() -> type:
             check: bool = False,
             half_diagonal: bool = False,
             early_c: bool = False,
+            defer: bool = False,
         ) -> None:
             self.has_c = has_c
             # early_c: the producer loads C's blocks as soon as the epilogue tiles are free (the
@@ -142,6 +207,10 @@ def kernel_class() -> type:
             # half_diagonal: on a pair's diagonal tile the first CTA runs 64 x 128 products on
             # the first half of the B panel only, its block above the diagonal not computed
             self.half_diagonal = half_diagonal and self.cm > 1 and not general
+            # defer (symmetric pairs): a tile's second block waits in registers and is stored
+            # _C_FREE_KT slices into the next tile's mainloop, under its wgmmas, not after the
+            # first block's stores have read the epilogue tiles (``cute_symm.DEFER_BLOCK``)
+            self.defer = defer and self.cm > 1 and not general
             self.acc_dtype = cutlass.Float32
             self.num_mma_wg = 2
             self.mma_threads = 128 * self.num_mma_wg
@@ -372,8 +441,12 @@ def kernel_class() -> type:
             k_tiles = cute.size(tAgA, mode=[2])
             per_batch = cute.size(tiles, mode=[1])
             total = per_batch * cute.size(tDgD, mode=[3])
-            # the mainloop steps after which the store warp frees the epilogue tiles for C
-            c_split = cutlass.min(_C_FREE_KT, k_tiles)
+            # the mainloop steps after which the consumers store a deferred block (defer) and
+            # after which the store warp frees the epilogue tiles for C
+            block_at = cutlass.min(_C_FREE_KT, k_tiles)
+            c_split = block_at
+            if cutlass.const_expr(self.defer):
+                c_split = cutlass.min(2 * _C_FREE_KT, k_tiles)
             pipeline.pipeline_init_wait(cluster_shape_mn=(self.cm, 1))
 
             if wg == 0:
@@ -473,6 +546,13 @@ def kernel_class() -> type:
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 c_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 c_free = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+                # the symmetric epilogue's block stores (_store_block) and, with defer, the block
+                # waiting to be stored (i, j, batch): none yet, j > i
+                copies = (warp, mma_tidx, strip_regs, r2s_d, r2s_dt)
+                epi_tiles = (sD_strips, sDT_strips)
+                mirror_views = (sD_chunks, sDT_as_D, upper, lower) if cutlass.const_expr(self.mirror) else ()
+                stores = (tma_d, tDsD, tDgD, tma_dt, tTsT, tTgT)
+                pend_i, pend_j, pend_batch = cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0)
                 t = first
                 while t < total:
                     batch, ti, tj, i = _tile_at(tiles, t, per_batch, self.cm, rank)
@@ -499,15 +579,27 @@ def kernel_class() -> type:
                                 cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
                             cute.nvgpu.warpgroup.commit_group()
                             read.advance()
-                            # with C the k-loop runs in two segments: between them the store warp
-                            # frees the epilogue tiles, the previous tile's stores having long been issued
-                            segments = (
-                                ((1, c_split), (c_split, k_tiles))
-                                if cutlass.const_expr(self.has_c)
-                                else ((1, k_tiles),)
-                            )
-                            for segment, (lo, hi) in enumerate(segments):
-                                if segment == 1:
+                            # the k-loop runs in segments, with work between them: the previous
+                            # tile's deferred block stored (defer), then the epilogue tiles freed
+                            # for C by the store warp, the stores before having long been issued
+                            breaks = []
+                            if cutlass.const_expr(self.defer):
+                                breaks.append((block_at, "block"))
+                            if cutlass.const_expr(self.has_c):
+                                breaks.append((c_split, "c"))
+                            starts = [(1, "")] + breaks
+                            ends = [at for at, _ in breaks] + [k_tiles]
+                            for (lo, work), hi in zip(starts, ends):
+                                if cutlass.const_expr(work == "block"):
+                                    _store_block(
+                                        rs_outs[1],
+                                        (pend_i, pend_j, pend_batch),
+                                        copies,
+                                        epi_tiles,
+                                        mirror_views,
+                                        stores,
+                                    )
+                                if cutlass.const_expr(work == "c"):
                                     if t != first and warp == _STORE_WARP:
                                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                                         c_pipe.consumer_release(c_free)
@@ -578,51 +670,15 @@ def kernel_class() -> type:
                     else:
                         for blk in cutlass.range_constexpr(self.cm):
                             j = tj * self.cm + blk
-                            if j <= i:  # a pair's tile on the diagonal has one block above it
-                                # the previous block's (or tile's) stores must have read the tiles
-                                if warp == _STORE_WARP:
-                                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                                # ... and every thread be done with C's blocks
-                                cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                                for strip in cutlass.range_constexpr(strips):
-                                    for v in cutlass.range_constexpr(per_strip):
-                                        strip_regs[v] = rs_outs[blk][strip * per_strip + v]
-                                    cute.copy(r2s_d, strip_regs, r2s_d.partition_D(sD_strips[(None, None, 0, strip)]))
-                                    cute.copy(
-                                        r2s_dt, strip_regs, r2s_dt.partition_D(sDT_strips[(None, None, 0, strip)])
-                                    )
-                                if cutlass.const_expr(self.mirror):
-                                    if i == j:
-                                        # a diagonal block: the upper triangle becomes the transpose of
-                                        # the lower, whatever the MMA's summation order. sDT holds the
-                                        # block too, in a layout that is sD's with its modes swapped:
-                                        # sDT[c, r] lies at sD[r, c]'s offset. So the mirror copies sDT's
-                                        # memory into sD's at equal offsets, 16 bytes (8 columns of a
-                                        # row) at a time; a chunk the diagonal crosses keeps its lower
-                                        # part (merged in registers). Chunks are dealt round-robin, so
-                                        # every warp gets rows from the whole block.
-                                        cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                                        for e in cutlass.range_constexpr(TILE * _ROW_CHUNKS // _MMA_THREADS):
-                                            q = e * _MMA_THREADS + mma_tidx
-                                            r = q // _ROW_CHUNKS
-                                            chunk = q - r * _ROW_CHUNKS
-                                            c0 = chunk * _CHUNK
-                                            if c0 + _CHUNK - 1 > r:  # some of its columns lie above the diagonal
-                                                cute.autovec_copy(sDT_as_D[(None, (r, chunk))], upper)
-                                                if c0 <= r:
-                                                    cute.autovec_copy(sD_chunks[(None, (r, chunk))], lower)
-                                                    for v in cutlass.range_constexpr(_CHUNK):
-                                                        if c0 + v <= r:
-                                                            upper[v] = lower[v]
-                                                cute.autovec_copy(upper, sD_chunks[(None, (r, chunk))])
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                                cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=_MMA_THREADS)
-                                if warp == _STORE_WARP:
-                                    cute.copy(tma_d, tDsD, tDgD[(None, i, j, batch)])
-                                    if i != j:
-                                        cute.copy(tma_dt, tTsT, tTgT[(None, i, j, batch)])
-                                    cute.arch.cp_async_bulk_commit_group()
+                            if cutlass.const_expr(self.defer and blk == 1):
+                                pend_i, pend_j, pend_batch = i, j, batch  # stored in the next tile's mainloop
+                            else:
+                                _store_block(rs_outs[blk], (i, j, batch), copies, epi_tiles, mirror_views, stores)
                     t += nblk
+                if cutlass.const_expr(self.defer):
+                    _store_block(
+                        rs_outs[1], (pend_i, pend_j, pend_batch), copies, epi_tiles, mirror_views, stores
+                    )  # the last tile's
                 if warp == _STORE_WARP:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
