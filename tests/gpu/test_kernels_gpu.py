@@ -187,11 +187,9 @@ def test_fused_update_cuda_graph(seed: int) -> None:
 
 
 # ---------------------------------------------------------------- CuteDSL (SM90) symmetric GEMM
-def _compiled_with(args: tuple, name: str) -> object:
-    """The value of ``cute_symm._compiled``'s argument ``name`` in a call with ``args``."""
-    from dion3_titan.kernels import cute_symm
-
-    return inspect.signature(cute_symm._compiled.__wrapped__).bind(*args).arguments.get(name, False)
+def _compiled_with(compiled, args: tuple, name: str) -> object:
+    """The value of ``compiled``'s (``cute_symm._compiled``) argument ``name`` in a call with ``args``."""
+    return inspect.signature(compiled.__wrapped__).bind(*args).arguments.get(name, False)
 
 
 def _cute_ready() -> bool:
@@ -577,7 +575,7 @@ def test_cute_early_c_gives_the_late_loads_bits(form: str, k: int, seed: int, mo
     built = []
     real = cute_symm._compiled
     monkeypatch.setattr(
-        cute_symm, "_compiled", lambda *args: built.append(_compiled_with(args, "early_c")) or real(*args)
+        cute_symm, "_compiled", lambda *args: built.append(_compiled_with(real, args, "early_c")) or real(*args)
     )
     L, n = 3, 512
     x = torch.randn(L, n, k, device="cuda").to(torch.float16)
@@ -629,7 +627,7 @@ def test_cute_deferred_block_gives_the_same_bits(form: str, k: int, ctas: int | 
     built = []
     real = cute_symm._compiled
     monkeypatch.setattr(
-        cute_symm, "_compiled", lambda *args: built.append(_compiled_with(args, "defer")) or real(*args)
+        cute_symm, "_compiled", lambda *args: built.append(_compiled_with(real, args, "defer")) or real(*args)
     )
     L, n = 3, 1024
     x = torch.randn(L, n, k, device="cuda").to(torch.float16)
