@@ -61,13 +61,6 @@ VARIANTS = {
     "cute_full_diagonal": [(cute_symm, "HALF_DIAGONAL", False)],
     # the products over a padded Gram side read the whole side, zero rows included
     "cute_whole_side": [(cute_symm, "SKIP_PADDING", False)],
-    # C's blocks loaded as soon as the epilogue tiles are free, not after the last A/B slice
-    "cute_early_c": [(cute_symm, "EARLY_C", True)],
-    # a symmetric pair tile's second block stored in the next tile's mainloop; the same with
-    # whole diagonal products (ptxas serializes the X X^T kernel's wgmmas with both), with C early
-    "cute_defer_block": [(cute_symm, "DEFER_BLOCK", True)],
-    "cute_defer_whole_diagonal": [(cute_symm, "DEFER_BLOCK", True), (cute_symm, "HALF_DIAGONAL", False)],
-    "cute_defer_early_c": [(cute_symm, "DEFER_BLOCK", True), (cute_symm, "EARLY_C", True)],
     # the batch in one piece on one stream, not in halves on two (optim/orthogonalize.py)
     "cute_one_batch": [(orthogonalize_module, "HALVES_MIN_FLOPS", float("inf"))],
 }

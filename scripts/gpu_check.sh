@@ -50,10 +50,9 @@ for part in "$@"; do
         ;;
     ns)
         run "$PY" scripts/bench_orthogonalize.py --parts ns --backends triton,cute --no-ns5 \
-            --shapes 32x2048x2048,16x2752x4096 --rounds 5 \
-            --variants cute_early_c,cute_defer_block,cute_defer_whole_diagonal,cute_defer_early_c
+            --shapes 32x2048x2048,16x2752x4096 --rounds 5 --variants cute_whole_side,cute_one_batch
         run "$PY" scripts/bench_sym_ab.py --shapes 32x2048,16x2816,4x8192 --configs default --reps 5 \
-            --cute-variants EARLY_C=1,DEFER_BLOCK=1,DEFER_BLOCK=1+HALF_DIAGONAL=0 --gemm 32x2048x2048x2048+c
+            --cute-variants HALF_DIAGONAL=0
         ;;
     host)
         run "$PY" scripts/profile_host.py --model 7b --layers 8 --given-norm 2>&1 | tee "$OUT/profile_host.log"

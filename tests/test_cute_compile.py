@@ -55,32 +55,6 @@ CONFIGS += [
     ]
     for pair in (False, True)
 ]
-# Every configuration so far loads C after the tile's last A/B slice; C loaded early
-# (``EARLY_C``) on the forms Newton-Schulz runs with C: the symmetric pair products (A A, A B
-# mirrored) and the general mode's X <- a X + B X with and without the check.
-CONFIGS = (
-    [(*config, False) for config in CONFIGS]
-    + [("Float16", "k", "n", True, True, mirror, False, False, True, True) for mirror in (False, True)]
-    + [
-        ("Float16", "k", "n", True, pair, False, True, check, False, True)
-        for pair in (False, True)
-        for check in (False, True)
-    ]
-)
-# Every configuration so far stores a pair tile's two blocks in its own epilogue; the second
-# deferred to the next tile's mainloop (``DEFER_BLOCK``) on Newton-Schulz's symmetric pair
-# products: X X^T (halved and whole diagonals), A A and A B mirrored with C, loaded late and early.
-CONFIGS = [(*config, False) for config in CONFIGS] + [
-    (dtype, "k", b, has_c, True, mirror, False, False, half, early, True)
-    for dtype, b, has_c, mirror, half, early in [
-        ("Float16", "k", False, False, True, False),
-        ("Float16", "k", False, False, False, False),
-        ("BFloat16", "k", False, False, False, False),
-        ("Float16", "n", True, False, True, False),
-        ("Float16", "n", True, True, True, False),
-        ("Float16", "n", True, True, True, True),
-    ]
-]
 
 # Compiles each configuration in a fresh process (CuteDSL reads its environment at import) and
 # prints, per configuration, how often each instruction of interest appears in the PTX (the
@@ -103,16 +77,15 @@ INSTRUCTIONS = {
     "vector_shared_store": r"st\.shared(?:::cta)?\.v4\.b32",
 }
 found = {}
-for dtype, a_major, b_major, has_c, pair, mirror, general, check, half, early, defer in json.loads(sys.argv[1]):
+for dtype, a_major, b_major, has_c, pair, mirror, general, check, half in json.loads(sys.argv[1]):
     stages = cute_symm.PAIR_STAGES if pair else cute_symm.STAGES
-    args = (dtype, a_major, b_major, has_c, stages, pair, mirror, general, check, half, early, defer)
-    ptx = cute_symm._compiled(*args).artifacts.PTX
+    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror, general, check, half).artifacts.PTX
     with open(f"{len(found)}.ptx", "w") as f:  # for ptxas, in the configurations' order
         f.write(ptx.rstrip("\x00"))
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
     wgmma = INSTRUCTIONS["wgmma_wide" if pair else "wgmma"]
     counts["wgmma_types"] = sorted(set(re.findall(wgmma, ptx)))
-    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general},{check},{half},{early},{defer}"] = counts
+    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general},{check},{half}"] = counts
 print("PTX " + json.dumps(found))
 """
 
@@ -138,17 +111,12 @@ def _ptxas() -> str | None:
 # insufficient register resources": layouts Newton-Schulz never asks for (its symmetric products
 # with C or two operands take A k-major, B^T n-major).
 _HALF_SERIALIZED = {("k", "n", False, True), ("n", "k", True, False), ("n", "n", True, True)}
-# With the second block deferred (its 32 registers held through the next mainloop), X X^T's
-# kernel with the halved diagonal serializes for the same reason (in fp16 and bf16; the whole
-# diagonal does not), as does a layout Newton-Schulz never asks for.
-_DEFER_HALF_SERIALIZED = {("k", "k", False, False), ("n", "k", False, True)}
 
 
-def _may_serialize(dtype, a_major, b_major, has_c, pair, mirror, general, check, half, early, defer) -> bool:
+def _may_serialize(dtype, a_major, b_major, has_c, pair, mirror, general, check, half) -> bool:
     if pair and general and (has_c or check):
         return True
-    layout = (a_major, b_major, has_c, mirror)
-    return half and (layout in _HALF_SERIALIZED or (defer and layout in _DEFER_HALF_SERIALIZED))
+    return half and (a_major, b_major, has_c, mirror) in _HALF_SERIALIZED
 
 
 def _cute_dsl_installed() -> bool:
@@ -187,7 +155,7 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
     assert ptxas is not None or os.environ.get("CI") != "true", "no ptxas under CI (Triton ships one)"
     for index, (config, counts) in enumerate(found.items()):
         fields = [f == "True" if f in ("True", "False") else f for f in config.split(",")]
-        dtype, a_major, b_major, has_c, pair, mirror, general, check, half, early, defer = fields
+        dtype, a_major, b_major, has_c, pair, mirror, general, check, half = fields
         expect_type = {"Float16": "f16", "BFloat16": "bf16"}[dtype]
         assert counts["wgmma_types"] == [expect_type], (config, counts)
         # the pair form: 64 x 256 products per warpgroup, B's panel loaded once for both CTAs

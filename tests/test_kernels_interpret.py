@@ -715,18 +715,12 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
     x = torch.randn(2, 2048, 256, dtype=torch.float16)
     y = x.clone()
     c = torch.randn(2, 2048, 2048, dtype=torch.float16)
-    # the same operand needs no mirror; C loaded early and the second block deferred only where
-    # switched on (EARLY_C, DEFER_BLOCK)
-    forms = itertools.product(((x.mT, False), (y.mT, True)), (False, True), (False, True))
-    for (b, mirror), early, defer in forms:
-        monkeypatch.setattr(cute_symm, "EARLY_C", early)
-        monkeypatch.setattr(cute_symm, "DEFER_BLOCK", defer)
+    for b, mirror in ((x.mT, False), (y.mT, True)):  # the same operand needs no mirror
         launches.clear()
         out = cute_symm.sym_gemm(x, b, c, 0.5, -1.5)
         ((key, args),) = launches
         assert key[:5] == ("Float16", "k", "k", True, cute_symm.PAIR_STAGES)
-        half = cute_symm.HALF_DIAGONAL  # a pair's diagonal halved
-        assert key[5:] == (True, mirror, False, False, half, early, defer)
+        assert key[5:] == (True, mirror, False, False, cute_symm.HALF_DIAGONAL)  # a pair's diagonal halved
         a_v, b_v, c_v, out_v, table, _, ctas, alpha, beta = launched(args)
         assert (a_v, b_v, c_v, out_v) == (view(x), view(b), view(c), view(out))
         assert table.shape == (2, 36) and ctas == 2 * min(66, 2 * 36) and (alpha, beta) == (0.5, -1.5)
@@ -734,9 +728,7 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
     small = torch.randn(3, 1024, 64, dtype=torch.bfloat16)
     out = cute_symm.sym_gemm(small, small.mT)  # 128 x 128 tiles below PAIR_MIN_N, no C
     ((key, args),) = launches
-    # EARLY_C and DEFER_BLOCK are on (the loop's last setting): without C there is nothing to
-    # load early, and a 128 x 128 tile has no second block
-    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False, False, False, False, False)
+    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False, False, False)
     assert launched(args)[2] == view(out) and launched(args)[6] == min(132, 3 * 36)
 
     a = torch.randn(2, 2048, 512, dtype=torch.float16)
@@ -760,8 +752,6 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
             True,
             check,
             False,  # every tile of a general product is whole
-            True,  # C loaded early (EARLY_C still on)
-            False,  # a general tile stores its blocks at once (DEFER_BLOCK on: symmetric pairs only)
         )
         a_v, b_v, c_v, out_v, table, flags_v, ctas, alpha, beta = launched(args)
         assert flags_v is flags if check else flags_v.shape == (1,)  # unchecked: never written

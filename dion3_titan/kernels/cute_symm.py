@@ -54,20 +54,6 @@ HALF_DIAGONAL = True
 # instead of 44: 1.0% of the 7b f = 1/4 step on one H100 (docs/benchmarks.md, "Padded Gram sides
 # read to their depth"). False: they read the whole side.
 SKIP_PADDING = True
-# With C (alpha A B + beta C), the producer loads C's blocks as soon as the store warp has freed
-# the epilogue tiles, a few slices into the tile, instead of after its last A/B slice. Measured
-# on one H100 (docs/benchmarks.md, "Where a symmetric product's time goes at Newton-Schulz's
-# sides"): with C a product takes 1.1-2.1 us more per tile than without, more the shorter the
-# tile (k = 8192, 2816, 2048), while every CTA's C leaves HBM in one burst at once, about as
-# long as the few slices the producer runs ahead. Off until measured.
-EARLY_C = False
-# A symmetric pair tile's second block waits in registers and is stored a few slices into the
-# CTA's next tile, under its wgmmas, instead of after the first block's TMA stores have read the
-# epilogue tiles. Every CTA of a wave stores at once (128 KB each, D and its transpose), so that
-# wait runs at the L2's shared rate: on one H100 a symmetric product spends 3.3-4.0 us per tile
-# outside its mainloop (docs/benchmarks.md, "Where a symmetric product's time goes at
-# Newton-Schulz's sides"). Off until measured.
-DEFER_BLOCK = False
 
 
 def pairs(n: int) -> bool:
@@ -109,15 +95,11 @@ def _compiled(
     general: bool = False,
     check: bool = False,
     half_diagonal: bool = False,
-    early_c: bool = False,
-    defer: bool = False,
 ) -> Any:
     """Compile once per configuration; shapes and strides stay dynamic (symbolic). ``general``:
     the (n, m) product of ``gemm`` (m its own size), else the symmetric (n, n) one; ``check``:
     its epilogue flags the matrices whose result is not finite; ``half_diagonal``: a pair's
-    diagonal tiles skip the block above the diagonal (``HALF_DIAGONAL``); ``early_c``: C's
-    blocks loaded once the epilogue tiles are free (``EARLY_C``); ``defer``: a symmetric pair
-    tile's second block stored in the next tile's mainloop (``DEFER_BLOCK``)."""
+    diagonal tiles skip the block above the diagonal (``HALF_DIAGONAL``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -138,7 +120,7 @@ def _compiled(
     d = make_fake_tensor(dtype, (L, n, m), strides(2), assumed_align=16)
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
     flags = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,))
-    kernel = kernel_class()(has_c, stages, pair, mirror, general, check, half_diagonal, early_c, defer)
+    kernel = kernel_class()(has_c, stages, pair, mirror, general, check, half_diagonal)
     return cute.compile(
         kernel,
         a,
@@ -224,10 +206,8 @@ def _launch(
     pair, _, general = form
     check = flags is not None
     half = HALF_DIAGONAL and pair and not general
-    early = EARLY_C and has_c
-    defer = DEFER_BLOCK and pair and not general
     stages = PAIR_STAGES if pair else STAGES
-    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, stages, *form, check, half, early, defer)
+    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, stages, *form, check, half)
     cm = 2 if pair else 1
     ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
     flag_arg = flags if check else _unwritten(a.device)

@@ -31,12 +31,6 @@ stored, and (``cute_symm.HALF_DIAGONAL``) not computed: the first CTA of a diago
 wgmmas on the B panel's first 128 rows into its accumulator's first block.
 With C, the second block of C comes into the column-major tile through C's transposed view (C is
 symmetric), and both blocks of C are read before either is overwritten.
-With ``defer`` (``cute_symm.DEFER_BLOCK``) the epilogue stores only the first block: the second
-stays in registers (rounded, 32 per thread) and is written and stored a few slices into the
-CTA's next tile, under its wgmmas, so no epilogue waits for its own first block's stores to have
-read the two shared tiles (every CTA of a wave stores at once, at the L2's shared rate). C's
-blocks then come once that block's stores have read them, a few slices later; the CTA's last
-tile's block is stored after its loop.
 
 The general mode (``gemm``: alpha A B + beta C with no symmetry, X <- a X + B X of standard
 Newton-Schulz): every tile of the (n, m) result in the same banded order, both epilogue tiles
@@ -181,15 +175,8 @@ def kernel_class() -> type:
             general: bool = False,
             check: bool = False,
             half_diagonal: bool = False,
-            early_c: bool = False,
-            defer: bool = False,
         ) -> None:
             self.has_c = has_c
-            # early_c: the producer loads C's blocks as soon as the epilogue tiles are free (the
-            # store warp frees them _C_FREE_KT slices into the tile), not after the tile's last
-            # A/B slice: every CTA's C then no longer arrives in one burst a few slices before
-            # the epilogue that waits for it (``cute_symm.EARLY_C``)
-            self.early_c = early_c and has_c
             # check (general mode): a block holding a NaN or inf once rounded sets its matrix's
             # flag, so the caller need not read the result again to know (``gemm``'s ``flags``)
             self.check = check and general
@@ -207,10 +194,6 @@ def kernel_class() -> type:
             # half_diagonal: on a pair's diagonal tile the first CTA runs 64 x 128 products on
             # the first half of the B panel only, its block above the diagonal not computed
             self.half_diagonal = half_diagonal and self.cm > 1 and not general
-            # defer (symmetric pairs): a tile's second block waits in registers and is stored
-            # _C_FREE_KT slices into the next tile's mainloop, under its wgmmas, not after the
-            # first block's stores have read the epilogue tiles (``cute_symm.DEFER_BLOCK``)
-            self.defer = defer and self.cm > 1 and not general
             self.acc_dtype = cutlass.Float32
             self.num_mma_wg = 2
             self.mma_threads = 128 * self.num_mma_wg
@@ -441,12 +424,8 @@ def kernel_class() -> type:
             k_tiles = cute.size(tAgA, mode=[2])
             per_batch = cute.size(tiles, mode=[1])
             total = per_batch * cute.size(tDgD, mode=[3])
-            # the mainloop steps after which the consumers store a deferred block (defer) and
-            # after which the store warp frees the epilogue tiles for C
-            block_at = cutlass.min(_C_FREE_KT, k_tiles)
-            c_split = block_at
-            if cutlass.const_expr(self.defer):
-                c_split = cutlass.min(2 * _C_FREE_KT, k_tiles)
+            # the mainloop steps after which the store warp frees the epilogue tiles for C
+            c_split = cutlass.min(_C_FREE_KT, k_tiles)
             pipeline.pipeline_init_wait(cluster_shape_mn=(self.cm, 1))
 
             if wg == 0:
@@ -456,20 +435,14 @@ def kernel_class() -> type:
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                     c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                     t = first
-                    # the slice before which C's blocks are loaded: after the last one, or
-                    # (early_c) the first the producer reaches once the store warp has freed the
-                    # epilogue tiles (it is ``stages`` slices ahead of the consumers)
-                    c_at = k_tiles
-                    if cutlass.const_expr(self.early_c):
-                        c_at = cutlass.min(c_split + self.stages, k_tiles)
                     while t < total:
                         batch, _, tj, i = _tile_at(tiles, t, per_batch, self.cm, rank)
                         a_k = tAgA[(None, i, None, batch)]
                         b_k = tBgB[(None, tj, None, batch)]
-                        # the tile's A/B slices in two runs, C's blocks between them; the state
-                        # advances in the loop bodies (see the consumers' k-loop)
+                        # the tile's A/B slices, then C's blocks; the state advances in the loop
+                        # body (see the consumers' k-loop)
                         a, b = (tma_a, a_k, tAsA), (tma_b, b_k, tBsB)
-                        for kt in range(c_at):
+                        for kt in range(k_tiles):
                             _load_slice(ring, state, a, b, kt, self.cm)
                             state.advance()
                         if cutlass.const_expr(self.has_c):
@@ -480,10 +453,6 @@ def kernel_class() -> type:
                                 cute.copy(tma_ct, tUgU[(None, i, tj * self.cm + 1, batch)], tUsU, tma_bar_ptr=c_bar)
                             c_pipe.producer_commit(c_state)
                             c_state.advance()
-                        if cutlass.const_expr(self.early_c):
-                            for kt in range(c_at, k_tiles):
-                                _load_slice(ring, state, a, b, kt, self.cm)
-                                state.advance()
                         t += nblk
                     ring.producer_tail(state)
             else:
@@ -546,13 +515,11 @@ def kernel_class() -> type:
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 c_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 c_free = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-                # the symmetric epilogue's block stores (_store_block) and, with defer, the block
-                # waiting to be stored (i, j, batch): none yet, j > i
+                # what the symmetric epilogue's block stores (_store_block) work with
                 copies = (warp, mma_tidx, strip_regs, r2s_d, r2s_dt)
                 epi_tiles = (sD_strips, sDT_strips)
                 mirror_views = (sD_chunks, sDT_as_D, upper, lower) if cutlass.const_expr(self.mirror) else ()
                 stores = (tma_d, tDsD, tDgD, tma_dt, tTsT, tTgT)
-                pend_i, pend_j, pend_batch = cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0)
                 t = first
                 while t < total:
                     batch, ti, tj, i = _tile_at(tiles, t, per_batch, self.cm, rank)
@@ -579,27 +546,15 @@ def kernel_class() -> type:
                                 cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
                             cute.nvgpu.warpgroup.commit_group()
                             read.advance()
-                            # the k-loop runs in segments, with work between them: the previous
-                            # tile's deferred block stored (defer), then the epilogue tiles freed
-                            # for C by the store warp, the stores before having long been issued
-                            breaks = []
-                            if cutlass.const_expr(self.defer):
-                                breaks.append((block_at, "block"))
-                            if cutlass.const_expr(self.has_c):
-                                breaks.append((c_split, "c"))
-                            starts = [(1, "")] + breaks
-                            ends = [at for at, _ in breaks] + [k_tiles]
-                            for (lo, work), hi in zip(starts, ends):
-                                if cutlass.const_expr(work == "block"):
-                                    _store_block(
-                                        rs_outs[1],
-                                        (pend_i, pend_j, pend_batch),
-                                        copies,
-                                        epi_tiles,
-                                        mirror_views,
-                                        stores,
-                                    )
-                                if cutlass.const_expr(work == "c"):
+                            # with C the k-loop runs in two segments: between them the store warp
+                            # frees the epilogue tiles, the previous tile's stores having long been issued
+                            segments = (
+                                ((1, c_split), (c_split, k_tiles))
+                                if cutlass.const_expr(self.has_c)
+                                else ((1, k_tiles),)
+                            )
+                            for segment, (lo, hi) in enumerate(segments):
+                                if segment == 1:
                                     if t != first and warp == _STORE_WARP:
                                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                                         c_pipe.consumer_release(c_free)
@@ -670,15 +625,8 @@ def kernel_class() -> type:
                     else:
                         for blk in cutlass.range_constexpr(self.cm):
                             j = tj * self.cm + blk
-                            if cutlass.const_expr(self.defer and blk == 1):
-                                pend_i, pend_j, pend_batch = i, j, batch  # stored in the next tile's mainloop
-                            else:
-                                _store_block(rs_outs[blk], (i, j, batch), copies, epi_tiles, mirror_views, stores)
+                            _store_block(rs_outs[blk], (i, j, batch), copies, epi_tiles, mirror_views, stores)
                     t += nblk
-                if cutlass.const_expr(self.defer):
-                    _store_block(
-                        rs_outs[1], (pend_i, pend_j, pend_batch), copies, epi_tiles, mirror_views, stores
-                    )  # the last tile's
                 if warp == _STORE_WARP:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 

@@ -1,8 +1,6 @@
 """Triton kernels on a CUDA GPU: symmetric GEMM against a float64 reference, exact symmetry,
 every output element written, and the fused update against the torch reference."""
 
-import inspect
-
 import pytest
 import torch
 
@@ -187,11 +185,6 @@ def test_fused_update_cuda_graph(seed: int) -> None:
 
 
 # ---------------------------------------------------------------- CuteDSL (SM90) symmetric GEMM
-def _compiled_with(compiled, args: tuple, name: str) -> object:
-    """The value of ``compiled``'s (``cute_symm._compiled``) argument ``name`` in a call with ``args``."""
-    return inspect.signature(compiled.__wrapped__).bind(*args).arguments.get(name, False)
-
-
 def _cute_ready() -> bool:
     from dion3_titan.kernels.cute_symm import is_available
 
@@ -323,7 +316,7 @@ def test_cute_gemm_general(dtype, shape: tuple, with_c: bool, b_layout: str, see
     got = cute_symm.gemm(a, b, c, alpha, beta, out=out)
     assert got is out
     pair = n % 256 == 0 and m % 256 == 0
-    assert built == [(pair, False, True, False, False, False, False)], f"ran {built}"  # no deferral: general
+    assert built == [(pair, False, True, False, False)], f"ran {built}"
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"unwritten or non-finite output (seed {seed})"
     assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6, f"seed {seed}"
@@ -556,99 +549,6 @@ def test_cute_ns_reads_a_padded_side_to_its_depth(shape: tuple, seed: int, monke
     err_skipping, err_whole = _rel_err(skipping, want), _rel_err(whole, want)
     assert _rel_err(skipping, whole.double()) < 1e-2, f"seed {seed}"
     assert err_skipping <= 1.25 * err_whole + 1e-3, f"{err_skipping} vs {err_whole} (seed {seed})"
-
-
-@pytest.mark.parametrize("k", [64, 640, 2048])
-@pytest.mark.parametrize("form", ["x,x.mT", "r,r.mT", "s,s", "general", "general+check", "general_tiles"])
-def test_cute_early_c_gives_the_late_loads_bits(form: str, k: int, seed: int, monkeypatch) -> None:
-    """C's blocks loaded early (cute_symm.EARLY_C: once the epilogue tiles are free, between
-    the tile's A/B slices) give bit for bit the result of C loaded after the last slice, in the
-    forms Newton-Schulz runs with C (symmetric pairs with and without the mirror, the general
-    mode with and without the check, its 128 x 128 tiles), with fewer slices than the early
-    point (k = 64: after the last, as before), a few more (640: 10 slices, C after the 7th or
-    8th) and many (2048)."""
-    if not _cute_ready():
-        pytest.skip("CuteDSL or an SM90 GPU missing")
-    from dion3_titan.kernels import cute_symm
-
-    monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 256)
-    built = []
-    real = cute_symm._compiled
-    monkeypatch.setattr(
-        cute_symm, "_compiled", lambda *args: built.append(_compiled_with(real, args, "early_c")) or real(*args)
-    )
-    L, n = 3, 512
-    x = torch.randn(L, n, k, device="cuda").to(torch.float16)
-    c = _symmetric(L, n, torch.float16)
-    if form == "s,s":
-        a = _symmetric(L, n, torch.float16)
-        b = a
-    elif form == "x,x.mT":
-        a, b = x, x.mT
-    elif form == "r,r.mT":
-        a, b = x, x.mT.contiguous()
-    else:
-        m = 640 if form == "general_tiles" else 768
-        a, b = x, torch.randn(L, k, m, device="cuda").to(torch.float16)
-        c = torch.randn(L, n, m, device="cuda").to(torch.float16)
-    flags = torch.zeros(L, dtype=torch.int32, device="cuda") if form == "general+check" else None
-
-    def product() -> torch.Tensor:
-        if form.startswith("general"):
-            return cute_symm.gemm(a, b, c, 0.75, -1.25, flags=flags)
-        return cute_symm.sym_gemm(a, b, c, 0.75, -1.25)
-
-    late = product()
-    monkeypatch.setattr(cute_symm, "EARLY_C", True)
-    early = product()
-    torch.cuda.synchronize()
-    assert built == [False, True], f"compiled with early_c {built}"
-    assert torch.isfinite(late).all(), f"seed {seed}"
-    assert torch.equal(early, late), f"early C changed the result (seed {seed})"
-
-
-@pytest.mark.parametrize("ctas", [8, None], ids=["8_ctas", "every_sm"])
-@pytest.mark.parametrize("k", [64, 640, 2048])
-@pytest.mark.parametrize("form", ["x,x.mT", "r,r.mT", "s,s", "x,x.mT+c", "r,r.mT+c", "s,s+c"])
-def test_cute_deferred_block_gives_the_same_bits(form: str, k: int, ctas: int | None, seed: int, monkeypatch) -> None:
-    """A symmetric pair tile's second block stored in the CTA's next tile (cute_symm.DEFER_BLOCK)
-    gives bit for bit the result of storing it at once, every block written (a NaN-filled output),
-    in the forms Newton-Schulz runs (X X^T, R R^T with two operands, S S, each with and without
-    C), with fewer slices than the deferral point (k = 64), a few more (640) and many (2048), on 8
-    CTAs (many tiles each: the deferred block, C's release after it and the last tile's block in
-    turn) and on every SM."""
-    if not _cute_ready():
-        pytest.skip("CuteDSL or an SM90 GPU missing")
-    from dion3_titan.kernels import cute_symm
-
-    monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 256)
-    if ctas is not None:
-        monkeypatch.setattr(cute_symm, "grid_sms", lambda device: ctas)
-    built = []
-    real = cute_symm._compiled
-    monkeypatch.setattr(
-        cute_symm, "_compiled", lambda *args: built.append(_compiled_with(real, args, "defer")) or real(*args)
-    )
-    L, n = 3, 1024
-    x = torch.randn(L, n, k, device="cuda").to(torch.float16)
-    operands = {"x,x.mT": (x, x.mT), "r,r.mT": (x, x.mT.contiguous())}
-    s = _symmetric(L, n, torch.float16)
-    a, b = operands.get(form.removesuffix("+c"), (s, s))
-    c = _symmetric(L, n, torch.float16) if form.endswith("+c") else None
-
-    def product() -> torch.Tensor:
-        out = torch.full((L, n, n), float("nan"), dtype=torch.float16, device="cuda")
-        return cute_symm.sym_gemm(a, b, c, 0.75, -1.25, out=out)
-
-    at_once = product()
-    monkeypatch.setattr(cute_symm, "DEFER_BLOCK", True)
-    deferred = product()
-    torch.cuda.synchronize()
-    assert built == [False, True], f"compiled with defer {built}"
-    assert torch.isfinite(at_once).all(), f"seed {seed}"
-    assert torch.equal(deferred, at_once), f"the deferred block changed the result (seed {seed})"
-    want = 0.75 * (a.double() @ b.double()) + (0.0 if c is None else -1.25 * c.double())
-    assert _rel_err(deferred, want) < 1e-2, f"seed {seed}"
 
 
 @pytest.mark.parametrize("backend", ["triton", "cute"])
