@@ -116,8 +116,7 @@ def kernel_class() -> type:
         upper triangle from its lower (``mirror_views``: empty when the product needs no mirror),
         and the store warp sends them to (i, j) of D and of D's transposed view."""
         i, j, batch = at
-        warp, mma_tidx, strip_regs = copies[0], copies[1], copies[2]
-        r2s_d, r2s_dt = copies[3], copies[4]
+        warp, mma_tidx, strip_regs, r2s_d, r2s_dt = copies
         sD_strips, sDT_strips = tiles
         tma_d, tDsD, tDgD, tma_dt, tTsT, tTgT = stores
         strips = cute.size(sD_strips, mode=[3])
