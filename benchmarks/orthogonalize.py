@@ -61,6 +61,10 @@ VARIANTS = {
     "cute_full_diagonal": [(cute_symm, "HALF_DIAGONAL", False)],
     # the products over a padded Gram side read the whole side, zero rows included
     "cute_whole_side": [(cute_symm, "SKIP_PADDING", False)],
+    # the padding rows' warpgroups multiply their zeros; the skipping kernel given a bound no
+    # warpgroup reaches (what the skipping path costs where it is not taken)
+    "cute_zero_rows_multiplied": [(cute_symm, "SKIP_ZERO_ROWS", False)],
+    "cute_skip_never_taken": [(cute_symm, "SKIP_NEVER", True)],
     # the batch in one piece on one stream, not in halves on two (optim/orthogonalize.py)
     "cute_one_batch": [(orthogonalize_module, "HALVES_MIN_FLOPS", float("inf"))],
 }

@@ -32,21 +32,33 @@ ROOT = Path(__file__).resolve().parents[1]
 # A symmetric pair kernel halves its diagonal tiles' products (HALF_DIAGONAL, the default); one
 # configuration keeps them whole (the benchmarks' A/B).
 CONFIGS = [
-    (*config, True, False, False, config[-1])
+    (*config, True, False, False, config[-1], False)
     for config in itertools.product(["Float16", "BFloat16"], ["k", "n"], ["k", "n"], [False, True], [False, True])
 ] + [
-    ("Float16", "k", b, has_c, pair, False, general, False, pair and not general)
+    ("Float16", "k", b, has_c, pair, False, general, False, pair and not general, False)
     for b in ("k", "n")
     for has_c in (False, True)
     for pair in (False, True)
     for general in (False, True)
 ]
-CONFIGS += [("Float16", "k", "n", True, True, True, False, False, False)]
+CONFIGS += [("Float16", "k", "n", True, True, True, False, False, False, False)]
+# With the path that skips the warpgroups of zero rows (``zero_from``), on the layouts of
+# Newton-Schulz's symmetric products, which name their padding: X X^T, A A + C, Q Z + C.
+CONFIGS += [
+    (dtype, "k", b, has_c, pair, mirror, False, False, pair, True)
+    for dtype, b, has_c, mirror in [
+        ("Float16", "k", False, False),
+        ("Float16", "n", True, False),
+        ("Float16", "n", True, True),
+        ("BFloat16", "n", True, True),
+    ]
+    for pair in (False, True)
+]
 # The general mode with the finiteness check in its epilogue (``gemm``'s flags), on the operands
 # of Newton-Schulz's last product: X <- a X + B X (with C), Q X (A = Q), X^T Q of a tall batch
 # (A = X^T, n-major after a restart).
 CONFIGS += [
-    (dtype, a, "n", has_c, pair, False, True, True, False)
+    (dtype, a, "n", has_c, pair, False, True, True, False, False)
     for dtype, a, has_c in [
         ("Float16", "k", True),
         ("Float16", "k", False),
@@ -77,15 +89,15 @@ INSTRUCTIONS = {
     "vector_shared_store": r"st\.shared(?:::cta)?\.v4\.b32",
 }
 found = {}
-for dtype, a_major, b_major, has_c, pair, mirror, general, check, half in json.loads(sys.argv[1]):
+for dtype, a_major, b_major, has_c, pair, mirror, general, check, half, skip in json.loads(sys.argv[1]):
     stages = cute_symm.PAIR_STAGES if pair else cute_symm.STAGES
-    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror, general, check, half).artifacts.PTX
+    ptx = cute_symm._compiled(dtype, a_major, b_major, has_c, stages, pair, mirror, general, check, half, skip).artifacts.PTX
     with open(f"{len(found)}.ptx", "w") as f:  # for ptxas, in the configurations' order
         f.write(ptx.rstrip("\x00"))
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
     wgmma = INSTRUCTIONS["wgmma_wide" if pair else "wgmma"]
     counts["wgmma_types"] = sorted(set(re.findall(wgmma, ptx)))
-    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general},{check},{half}"] = counts
+    found[f"{dtype},{a_major},{b_major},{has_c},{pair},{mirror},{general},{check},{half},{skip}"] = counts
 print("PTX " + json.dumps(found))
 """
 
@@ -107,13 +119,14 @@ def _ptxas() -> str | None:
 # 4 bytes (20 in bf16 with C and the check) with C or the check, and with C (X <- a X + B X of
 # standard Newton-Schulz) serializes its wgmmas "due to program dependence on compiler-inserted
 # WG.AR in divergent path" (docs/kernels.md: why, and a variant without it that measured no
-# faster on a GPU). Three symmetric pair layouts with the halved diagonal serialize "due to
+# faster on a GPU). Four symmetric pair layouts with the halved diagonal serialize "due to
 # insufficient register resources": layouts Newton-Schulz never asks for (its symmetric products
-# with C or two operands take A k-major, B^T n-major).
-_HALF_SERIALIZED = {("k", "n", False, True), ("n", "k", True, False), ("n", "n", True, True)}
+# with C or two operands take A k-major, B^T n-major). The fourth (both k-major, with C and the
+# mirror) joined them when the kernel took one more argument (``zero_from``), unused there.
+_HALF_SERIALIZED = {("k", "n", False, True), ("n", "k", True, False), ("n", "n", True, True), ("k", "k", True, True)}
 
 
-def _may_serialize(dtype, a_major, b_major, has_c, pair, mirror, general, check, half) -> bool:
+def _may_serialize(dtype, a_major, b_major, has_c, pair, mirror, general, check, half, skip) -> bool:
     if pair and general and (has_c or check):
         return True
     return half and (a_major, b_major, has_c, mirror) in _HALF_SERIALIZED
@@ -155,7 +168,7 @@ def test_every_configuration_compiles_for_sm90_with_the_kernels_structure(tmp_pa
     assert ptxas is not None or os.environ.get("CI") != "true", "no ptxas under CI (Triton ships one)"
     for index, (config, counts) in enumerate(found.items()):
         fields = [f == "True" if f in ("True", "False") else f for f in config.split(",")]
-        dtype, a_major, b_major, has_c, pair, mirror, general, check, half = fields
+        dtype, a_major, b_major, has_c, pair, mirror, general, check, half, _ = fields
         expect_type = {"Float16": "f16", "BFloat16": "bf16"}[dtype]
         assert counts["wgmma_types"] == [expect_type], (config, counts)
         # the pair form: 64 x 256 products per warpgroup, B's panel loaded once for both CTAs

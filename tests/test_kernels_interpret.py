@@ -211,13 +211,13 @@ def _run_checks(seed: int) -> list[dict]:
     class CountingTriton(triton_ops.TritonOps):
         calls = ran = 0  # symmetric products asked for, and run by a Triton kernel
 
-        def sym_mm(self, a, b):
+        def sym_mm(self, a, b, zero_from=None):
             self.calls, self.ran = self.calls + 1, self.ran + self._runs(a)
-            return super().sym_mm(a, b)
+            return super().sym_mm(a, b, zero_from)
 
-        def sym_addmm(self, a, b, c, alpha, beta):
+        def sym_addmm(self, a, b, c, alpha, beta, zero_from=None):
             self.calls, self.ran = self.calls + 1, self.ran + self._runs(a)
-            return super().sym_addmm(a, b, c, alpha, beta)
+            return super().sym_addmm(a, b, c, alpha, beta, zero_from)
 
     cfg = Dion3Config()
     fp16 = NSSettings("gram", cfg.coefficients(), cfg.ns_restarts, torch.float16, cfg.ns_eps)

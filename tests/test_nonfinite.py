@@ -187,8 +187,8 @@ class CorruptOneGram:
         self.ops, self.side, self.which, self.times = TorchOps(), side, which, times
         self.name = "corrupt"
 
-    def sym_mm(self, a, b):
-        r = self.ops.sym_mm(a, b)
+    def sym_mm(self, a, b, zero_from=None):
+        r = self.ops.sym_mm(a, b, zero_from)
         if self.times > 0 and r.shape[-1] == self.side:
             self.times -= 1
             r = r.clone()
@@ -262,9 +262,9 @@ class CountGrams:
 
         self.ops, self.grams, self.name = TorchOps(), 0, "count"
 
-    def sym_mm(self, a, b):
+    def sym_mm(self, a, b, zero_from=None):
         self.grams += 1
-        return self.ops.sym_mm(a, b)
+        return self.ops.sym_mm(a, b, zero_from)
 
     def __getattr__(self, name):
         return getattr(self.ops, name)

@@ -165,7 +165,7 @@ class InjectedNegativeGram(TorchOps):
         self.shift = shift
         self.grams = 0
 
-    def sym_mm(self, a, b):
+    def sym_mm(self, a, b, zero_from=None):
         self.grams += 1
         r = torch.bmm(a, b)
         return r - self.shift * torch.eye(r.shape[-1], dtype=r.dtype)
@@ -227,7 +227,7 @@ class CorruptFirstGram(TorchOps):
     def __init__(self, which: int, times: int):
         self.which, self.times, self.calls = which, times, 0
 
-    def sym_mm(self, a, b):
+    def sym_mm(self, a, b, zero_from=None):
         r = torch.bmm(a, b)
         if self.calls < self.times and r.shape[0] > self.which:
             r = r.clone()
@@ -352,7 +352,7 @@ class PaddedSideOps(TorchOps):
     every product it makes."""
 
     def __init__(self, side: int = 16, depth: int | None = None) -> None:
-        self.side, self.depth, self.inner = side, depth, []
+        self.side, self.depth, self.inner, self.zero_from = side, depth, [], []
 
     def gram_side(self, n: int) -> int:
         return -(-n // self.side) * self.side
@@ -369,13 +369,24 @@ class PaddedSideOps(TorchOps):
         self.inner.append(a.shape[-1])
         return super().mm_add(a, b, c, alpha, beta, out)
 
-    def sym_mm(self, a, b):
+    def sym_mm(self, a, b, zero_from=None):
         self.inner.append(a.shape[-1])
-        return super().sym_mm(a, b)
+        return super().sym_mm(self._zero_rows_left_out(a, zero_from), b)
 
-    def sym_addmm(self, a, b, c, alpha, beta):
+    def sym_addmm(self, a, b, c, alpha, beta, zero_from=None):
         self.inner.append(a.shape[-1])
-        return super().sym_addmm(a, b, c, alpha, beta)
+        return super().sym_addmm(self._zero_rows_left_out(a, zero_from), b, c, alpha, beta)
+
+    def _zero_rows_left_out(self, a, zero_from):
+        """a as a kernel that skips the rows named zero sees it: those rows are zero (the
+        caller's guarantee, checked) and their products are left out (zeros in their place)."""
+        self.zero_from.append(zero_from)
+        if zero_from is None or zero_from >= a.shape[-2]:
+            return a
+        assert not a[:, zero_from:].any(), f"rows from {zero_from} on are not zero"
+        kept = torch.zeros_like(a)
+        kept[:, :zero_from] = a[:, :zero_from]
+        return kept
 
 
 @pytest.mark.parametrize("algorithm", ["gram", "standard"])
@@ -415,6 +426,8 @@ def test_products_over_a_padded_side_skip_its_zero_rows(algorithm, shape, seed):
     n, m = sorted(shape[1:])
     assert set(whole.inner) == {64, m} and set(skipping.inner) == {40, m}, (whole.inner, skipping.inner)
     assert len(skipping.inner) == len(whole.inner)
+    # every symmetric product names the rows from the depth on as zero (checked by the backend)
+    assert set(skipping.zero_from) == {40} and set(whole.zero_from) == {64}, (skipping.zero_from, whole.zero_from)
 
 
 @pytest.mark.parametrize("normalized", [False, True])

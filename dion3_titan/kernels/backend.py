@@ -99,12 +99,17 @@ class Backend:
         operands (the caller then makes the product unchecked)."""
         return None
 
-    def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a @ b where the caller guarantees the product is symmetric (e.g. X @ X^T)."""
+    def sym_mm(self, a: torch.Tensor, b: torch.Tensor, zero_from: int | None = None) -> torch.Tensor:
+        """a @ b where the caller guarantees the product is symmetric (e.g. X @ X^T).
+        ``zero_from``: a's rows from there on are zero (also the caller's guarantee: the padding
+        of a Gram side), so a backend may leave their products out."""
         raise NotImplementedError
 
-    def sym_addmm(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        """alpha * (a @ b) + beta * c where the result is symmetric (c symmetric too)."""
+    def sym_addmm(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float, zero_from: int | None = None
+    ) -> torch.Tensor:
+        """alpha * (a @ b) + beta * c where the result is symmetric (c symmetric too);
+        ``zero_from`` as in ``sym_mm``."""
         raise NotImplementedError
 
     def fused_update(

@@ -54,6 +54,16 @@ HALF_DIAGONAL = True
 # instead of 44: 1.0% of the 7b f = 1/4 step on one H100 (docs/benchmarks.md, "Padded Gram sides
 # read to their depth"). False: they read the whole side.
 SKIP_PADDING = True
+# A symmetric product whose caller names the zero rows of A (``zero_from``: the padding of a Gram
+# side, 2752 -> 2816 at 7B's w1/w3 rows at f = 1/4) leaves out the products of the consumer
+# warpgroups whose 64 rows all lie there. The cluster still waits for its other CTA, so this
+# saves energy, not issue time (as HALF_DIAGONAL): Newton-Schulz at 16 x 2752 x 4096 2-4% faster
+# on one H100 (docs/benchmarks.md, "Padding rows' products skipped, the fold kept"). False: they
+# multiply the zeros.
+SKIP_ZERO_ROWS = True
+# The A/B's control (scripts/bench_orthogonalize.py --variants cute_skip_never_taken): the
+# kernel with its skipping path compiled, given a bound no warpgroup reaches.
+SKIP_NEVER = False
 
 
 def pairs(n: int) -> bool:
@@ -95,11 +105,13 @@ def _compiled(
     general: bool = False,
     check: bool = False,
     half_diagonal: bool = False,
+    skip_rows: bool = False,
 ) -> Any:
     """Compile once per configuration; shapes and strides stay dynamic (symbolic). ``general``:
     the (n, m) product of ``gemm`` (m its own size), else the symmetric (n, n) one; ``check``:
     its epilogue flags the matrices whose result is not finite; ``half_diagonal``: a pair's
-    diagonal tiles skip the block above the diagonal (``HALF_DIAGONAL``)."""
+    diagonal tiles skip the block above the diagonal (``HALF_DIAGONAL``); ``skip_rows``: a
+    consumer warpgroup whose rows of A are zero multiplies nothing (``SKIP_ZERO_ROWS``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -120,7 +132,7 @@ def _compiled(
     d = make_fake_tensor(dtype, (L, n, m), strides(2), assumed_align=16)
     tiles = make_fake_tensor(cutlass.Int32, (2, cute.sym_int()), (cute.sym_int(), 1))
     flags = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,))
-    kernel = kernel_class()(has_c, stages, pair, mirror, general, check, half_diagonal)
+    kernel = kernel_class()(has_c, stages, pair, mirror, general, check, half_diagonal, skip_rows)
     return cute.compile(
         kernel,
         a,
@@ -130,6 +142,7 @@ def _compiled(
         tiles,
         flags,
         cutlass.Int32(1),
+        cutlass.Int32(0),
         cutlass.Float32(1.0),
         cutlass.Float32(0.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -193,9 +206,11 @@ def _launch(
     form: tuple[bool, bool, bool],
     table: torch.Tensor,
     flags: torch.Tensor | None = None,
+    zero_from: int | None = None,
 ) -> torch.Tensor:
     """alpha * a @ b (+ beta * c) into ``out`` (a new (L, n, m) tensor if None) by the kernel of
-    ``form`` (pair, mirror, general) over the tiles of ``table``; ``flags``: ``gemm``'s."""
+    ``form`` (pair, mirror, general) over the tiles of ``table``; ``flags``: ``gemm``'s;
+    ``zero_from``: ``sym_gemm``'s."""
     L, n = a.shape[:2]
     has_c = c is not None and beta != 0.0
     if has_c and (c.stride(2) != 1 or c.dtype != a.dtype):
@@ -207,11 +222,15 @@ def _launch(
     check = flags is not None
     half = HALF_DIAGONAL and pair and not general
     stages = PAIR_STAGES if pair else STAGES
-    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, stages, *form, check, half)
+    # a warpgroup skips when its first row is at or past zero_from: some must, or the kernel
+    # without the skipping path runs
+    skip = SKIP_ZERO_ROWS and not general and zero_from is not None and cdiv(zero_from, TILE // 2) * (TILE // 2) < n
+    fn = _compiled(_DTYPES[a.dtype], *majors, has_c, stages, *form, check, half, skip)
     cm = 2 if pair else 1
     ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])
     flag_arg = flags if check else _unwritten(a.device)
-    fn(a, b, c if has_c else out, out, table, flag_arg, ctas, float(alpha), float(beta))
+    bound = n if (SKIP_NEVER or not skip) else zero_from
+    fn(a, b, c if has_c else out, out, table, flag_arg, ctas, bound, float(alpha), float(beta))
     return out
 
 
@@ -228,10 +247,12 @@ def sym_gemm(
     alpha: float = 1.0,
     beta: float = 0.0,
     out: torch.Tensor | None = None,
+    zero_from: int | None = None,
 ) -> torch.Tensor | None:
     """alpha * a @ b (+ beta * c) for a symmetric result; None when the shape or strides are
     outside the kernel's limits (the caller falls back). ``out``: a contiguous (L, n, n) result
-    buffer (tests pass a NaN-filled one)."""
+    buffer (tests pass a NaN-filled one). ``zero_from``: a's rows from there on are zero (the
+    caller's guarantee), so their products may be left out (``SKIP_ZERO_ROWS``)."""
     n = a.shape[1]
     majors = _majors(a, b, (n,))
     if majors is None:
@@ -239,7 +260,7 @@ def sym_gemm(
     pair = pairs(n)
     form = (pair, not _same_operand(a, b), False)
     table = _tile_table(n // (TILE * (2 if pair else 1)), GROUP, a.device)
-    return _launch(a, b, c, alpha, beta, out, majors, form, table)
+    return _launch(a, b, c, alpha, beta, out, majors, form, table, zero_from=zero_from)
 
 
 def gemm(
@@ -310,10 +331,12 @@ class CuteOps(TritonOps):
         result = gemm(a, b, c, alpha, beta, out=out, flags=flags) if GENERAL else None
         return result if result is not None else super().mm_checked(a, b, c, alpha, beta, flags, out)
 
-    def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = sym_gemm(a, b)
+    def sym_mm(self, a: torch.Tensor, b: torch.Tensor, zero_from: int | None = None) -> torch.Tensor:
+        out = sym_gemm(a, b, zero_from=zero_from)
         return out if out is not None else super().sym_mm(a, b)  # shapes off the tile grid
 
-    def sym_addmm(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        out = sym_gemm(a, b, c, alpha, beta)
+    def sym_addmm(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float, zero_from: int | None = None
+    ) -> torch.Tensor:
+        out = sym_gemm(a, b, c, alpha, beta, zero_from=zero_from)
         return out if out is not None else super().sym_addmm(a, b, c, alpha, beta)

@@ -29,6 +29,9 @@ a stage to both CTAs' producers. The epilogue takes the CTA tile as two 128 x 12
 the same two shared tiles, one after the other; on the diagonal the block above it is not
 stored, and (``cute_symm.HALF_DIAGONAL``) not computed: the first CTA of a diagonal tile runs 64 x 128
 wgmmas on the B panel's first 128 rows into its accumulator's first block.
+A caller that names the zero rows of A (``zero_from``, the padding of a Gram side) gets the kernel
+compiled with ``skip_rows``: a consumer warpgroup whose 64 rows all lie there waits for and
+releases its slots without multiplying (``cute_symm.SKIP_ZERO_ROWS``).
 With C, the second block of C comes into the column-major tile through C's transposed view (C is
 symmetric), and both blocks of C are read before either is overwritten.
 
@@ -174,6 +177,7 @@ def kernel_class() -> type:
             general: bool = False,
             check: bool = False,
             half_diagonal: bool = False,
+            skip_rows: bool = False,
         ) -> None:
             self.has_c = has_c
             # check (general mode): a block holding a NaN or inf once rounded sets its matrix's
@@ -193,6 +197,10 @@ def kernel_class() -> type:
             # half_diagonal: on a pair's diagonal tile the first CTA runs 64 x 128 products on
             # the first half of the B panel only, its block above the diagonal not computed
             self.half_diagonal = half_diagonal and self.cm > 1 and not general
+            # skip_rows: a consumer warpgroup whose 64 rows of A all lie at or past ``zero_from``
+            # (the zero padding of a Gram side) waits for and releases its slots without
+            # multiplying; its accumulator keeps the zeros it starts from
+            self.skip_rows = skip_rows and not general
             self.acc_dtype = cutlass.Float32
             self.num_mma_wg = 2
             self.mma_threads = 128 * self.num_mma_wg
@@ -218,6 +226,7 @@ def kernel_class() -> type:
             tiles: cute.Tensor,  # (2, T(T+1)/2) int32: row/col of each lower cluster tile
             flags: cute.Tensor,  # (L,) int32, written only with check
             num_ctas: cutlass.Int32,
+            zero_from: cutlass.Int32,  # A's rows from here on are zero (read only with skip_rows)
             alpha: cutlass.Float32,
             beta: cutlass.Float32,
             stream: Any,
@@ -318,6 +327,7 @@ def kernel_class() -> type:
                 tCT,
                 tiles,
                 flags,
+                zero_from,
                 alpha,
                 beta,
             ).launch(
@@ -351,6 +361,7 @@ def kernel_class() -> type:
             tCT: cute.Tensor,
             tiles: cute.Tensor,
             flags: cute.Tensor,
+            zero_from: cutlass.Int32,
             alpha: cutlass.Float32,
             beta: cutlass.Float32,
         ):
@@ -522,16 +533,35 @@ def kernel_class() -> type:
                 t = first
                 while t < total:
                     batch, ti, tj, i = _tile_at(tiles, t, per_batch, self.cm, rank)
-                    acc.fill(0.0)
+                    # the accumulator starts from zero; with skip_rows only the skipping path
+                    # reads the zeros. Where they are written is what ptxas needs: filled here,
+                    # X X^T's kernel (no C) has its wgmmas serialized; filled in the skipping
+                    # path, the kernels with C spill.
+                    fill_in_skip = self.skip_rows and not self.has_c
+                    if cutlass.const_expr(not fill_in_skip):
+                        acc.fill(0.0)
                     # which of ``products`` this tile runs: one branch per tile, around its k-loops
+                    # (``skipped``: none, the warpgroup's rows of A being zero)
+                    skipped = len(products)
                     variant = cutlass.Int32(0)
                     if cutlass.const_expr(self.half_diagonal):
                         if ti == tj and rank == 0:
                             variant = cutlass.Int32(1)
+                    if cutlass.const_expr(self.skip_rows):
+                        if i * TILE + (wg - 1) * (TILE // 2) >= zero_from:
+                            variant = cutlass.Int32(skipped)
+                    # with C the k-loops run in two segments: between them the store warp frees
+                    # the epilogue tiles, the previous tile's stores having long been issued
+                    splits = (c_split,) if cutlass.const_expr(self.has_c) else ()
                     for v in cutlass.range_constexpr(len(products)):
                         mma, acc_v, frag_a, frag_b = products[v]
                         if variant == v:
-                            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                            # With skip_rows the first product overwrites the accumulator, so
+                            # that only the skipping path reads the zeros: ptxas then folds the
+                            # fill into each multiplying path's first wgmma, as it does when
+                            # every path multiplies (without it, it zeroes the registers every
+                            # tile and the first wgmma reads them).
+                            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, not self.skip_rows)
                             cute.nvgpu.warpgroup.fence()
                             # k-step 0 peeled; every later one releases the stage before the one it
                             # issued (one wgmma batch in flight). No data-dependent branch inside the
@@ -543,22 +573,17 @@ def kernel_class() -> type:
                             for kb in cutlass.range_constexpr(k_blocks):
                                 a_kb, b_kb = frag_a[(None, None, kb, read.index)], frag_b[(None, None, kb, read.index)]
                                 cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
+                                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                             cute.nvgpu.warpgroup.commit_group()
                             read.advance()
-                            # with C the k-loop runs in two segments: between them the store warp
-                            # frees the epilogue tiles, the previous tile's stores having long been issued
-                            segments = (
-                                ((1, c_split), (c_split, k_tiles))
-                                if cutlass.const_expr(self.has_c)
-                                else ((1, k_tiles),)
-                            )
-                            for segment, (lo, hi) in enumerate(segments):
+                            bounds = (1, *splits, k_tiles)
+                            for segment in cutlass.range_constexpr(len(bounds) - 1):
                                 if segment == 1:
                                     if t != first and warp == _STORE_WARP:
                                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                                         c_pipe.consumer_release(c_free)
                                         c_free.advance()
-                                for _kt in cutlass.range(lo, hi, unroll=1):
+                                for _kt in cutlass.range(bounds[segment], bounds[segment + 1], unroll=1):
                                     ring.consumer_wait(read)
                                     for kb in cutlass.range_constexpr(k_blocks):
                                         a_kb, b_kb = (
@@ -574,6 +599,25 @@ def kernel_class() -> type:
                             cute.nvgpu.warpgroup.wait_group(0)
                             ring.consumer_release(release)
                             release.advance()
+                    if cutlass.const_expr(self.skip_rows):
+                        if variant == skipped:
+                            if cutlass.const_expr(fill_in_skip):
+                                acc.fill(0.0)
+                            # every slot waited for and released in turn, as the other
+                            # warpgroups do (the ring counts every consumer warp of the cluster);
+                            # C's release written out again, as the k-step is above
+                            bounds = (0, *splits, k_tiles)
+                            for segment in cutlass.range_constexpr(len(bounds) - 1):
+                                if segment == 1:
+                                    if t != first and warp == _STORE_WARP:
+                                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                                        c_pipe.consumer_release(c_free)
+                                        c_free.advance()
+                                for _kt in cutlass.range(bounds[segment], bounds[segment + 1], unroll=1):
+                                    ring.consumer_wait(read)
+                                    read.advance()
+                                    ring.consumer_release(release)
+                                    release.advance()
 
                     # epilogue: fp32 math and one rounding per 128 x 128 block (the accumulator
                     # holds a block's values contiguously, the wgmma layout's column chunks

@@ -53,10 +53,12 @@ class TorchOps(Backend):
     ) -> torch.Tensor:
         return torch.baddbmm(c, a, b, beta=beta, alpha=alpha, out=out)
 
-    def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def sym_mm(self, a: torch.Tensor, b: torch.Tensor, zero_from: int | None = None) -> torch.Tensor:
         return mirror_lower(torch.bmm(a, b))
 
-    def sym_addmm(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    def sym_addmm(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float, zero_from: int | None = None
+    ) -> torch.Tensor:
         return mirror_lower(torch.baddbmm(c, a, b, beta=beta, alpha=alpha))
 
     def fused_update(

@@ -610,12 +610,14 @@ class TritonOps(TorchOps):
         name = f"mm_tma{config}{'+c' if c is not None else ''}{'+check' if flags is not None else ''}"
         return launch_or_none(name, lambda: triton_mm.mm_tma(a, b, c, alpha, beta, config=config, out=out, flags=flags))
 
-    def sym_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def sym_mm(self, a: torch.Tensor, b: torch.Tensor, zero_from: int | None = None) -> torch.Tensor:
         if not self._runs(a):
             return super().sym_mm(a, b)
         return sym_gemm(a, b)
 
-    def sym_addmm(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    def sym_addmm(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float, zero_from: int | None = None
+    ) -> torch.Tensor:
         if not self._runs(a):
             return super().sym_addmm(a, b, c, alpha, beta)
         return sym_gemm(a, b, c, alpha, beta)

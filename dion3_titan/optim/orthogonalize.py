@@ -134,7 +134,7 @@ def gram_newton_schulz(
     """
     ops = backend
     xt = x.mT
-    r = ops.sym_mm(x, xt)
+    r = ops.sym_mm(x, xt, zero_from=depth)
     q: torch.Tensor | None = None  # None stands for the identity
     steps = len(coefficients)
     for t, (a, b, c) in enumerate(coefficients):
@@ -142,18 +142,18 @@ def gram_newton_schulz(
             if q is not None:
                 x = ops.mm(*_inner(q, x, depth))
                 xt = x.mT
-            r = ops.sym_mm(x, xt)
+            r = ops.sym_mm(x, xt, zero_from=depth)
             q = None
-        z = ops.sym_addmm(*_inner(r, r, depth), r, alpha=c, beta=b)
+        z = ops.sym_addmm(*_inner(r, r, depth), r, alpha=c, beta=b, zero_from=depth)
         # R is needed only by a later iteration that does not restart.
         if t + 1 < steps and (t + 1) not in restarts:
-            rz = ops.sym_addmm(*_inner(r, z, depth), r, alpha=1.0, beta=a)
-            r = ops.sym_addmm(*_inner(z, rz, depth), rz, alpha=1.0, beta=a)
+            rz = ops.sym_addmm(*_inner(r, z, depth), r, alpha=1.0, beta=a, zero_from=depth)
+            r = ops.sym_addmm(*_inner(z, rz, depth), rz, alpha=1.0, beta=a, zero_from=depth)
         if q is None:  # Q = Z + a I, in Z's memory: nothing reads Z after this
             q = z
             q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            q = ops.sym_addmm(*_inner(q, z, depth), q, alpha=1.0, beta=a)
+            q = ops.sym_addmm(*_inner(q, z, depth), q, alpha=1.0, beta=a, zero_from=depth)
     if q is None:
         return x
     if column_major:
@@ -174,8 +174,8 @@ def standard_newton_schulz(
     ops = backend
     last = len(coefficients) - 1
     for t, (a, b, c) in enumerate(coefficients):
-        gram = ops.sym_mm(x, x.mT)
-        poly = ops.sym_addmm(*_inner(gram, gram, depth), gram, alpha=c, beta=b)
+        gram = ops.sym_mm(x, x.mT, zero_from=depth)
+        poly = ops.sym_addmm(*_inner(gram, gram, depth), gram, alpha=c, beta=b, zero_from=depth)
         x = _product(ops, *_inner(poly, x, depth), x, 1.0, a, *((check, out) if t == last else (None, None)))
     return x
 

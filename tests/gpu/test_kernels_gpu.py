@@ -551,6 +551,93 @@ def test_cute_ns_reads_a_padded_side_to_its_depth(shape: tuple, seed: int, monke
     assert err_skipping <= 1.25 * err_whole + 1e-3, f"{err_skipping} vs {err_whole} (seed {seed})"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("side", [2816, 1408], ids=["pairs", "tiles"])
+@pytest.mark.parametrize("zero", [64, 128, 192])
+@pytest.mark.parametrize("layout", ["x,x.mT", "r,r.mT+c", "s,s:k+c"])
+def test_cute_sym_gemm_skips_zero_rows(dtype, side: int, zero: int, layout: str, seed: int, monkeypatch) -> None:
+    """A symmetric product told that A's last ``zero`` rows are zero (``zero_from``, the padding
+    of a Gram side) leaves out the products of the consumer warpgroups whose 64 rows lie there
+    (cute_symm.SKIP_ZERO_ROWS: a warpgroup's, a CTA's, or one and a half CTAs' rows): the result
+    is bit for bit the one that multiplies the zeros, with C and without, mirrored and not, in
+    pair tiles and in 128 x 128 tiles, with the kernel that skips built; and that kernel given a
+    bound no warpgroup reaches (SKIP_NEVER, the benchmark's control) gives it too."""
+    if not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan.kernels import cute_symm
+
+    if side % 256 != 0:
+        monkeypatch.setattr(cute_symm, "PAIR_MIN_N", 1 << 30)
+    built = []
+    real = cute_symm._compiled
+    monkeypatch.setattr(cute_symm, "_compiled", lambda *args: built.append(args) or real(*args))
+    L, k, real_rows = 3, 640, side - zero
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if layout.startswith("s,s"):  # A A over the side read to the real rows, as Newton-Schulz's R R
+        s = torch.randn(L, side, side, device="cuda", generator=gen)
+        s = ((s + s.mT) / 2).to(dtype)
+        s[:, real_rows:], s[:, :, real_rows:] = 0, 0
+        a, b = s[..., :real_rows], s[:, :real_rows]
+    else:
+        x = torch.randn(L, side, k, device="cuda", generator=gen).to(dtype)
+        x[:, real_rows:] = 0
+        a, b = (x, x.mT) if layout == "x,x.mT" else (x, x.mT.contiguous())
+    c = _symmetric(L, side, dtype) if layout.endswith("+c") else None
+    alpha, beta = (0.75, -1.25) if c is not None else (1.0, 0.0)
+    results = {}
+    for name, switches in {
+        "multiplied": {"SKIP_ZERO_ROWS": False},
+        "skipped": {},
+        "never_taken": {"SKIP_NEVER": True},
+    }.items():
+        with monkeypatch.context() as m:
+            for key, value in switches.items():
+                m.setattr(cute_symm, key, value)
+            built.clear()
+            out = torch.full((L, side, side), float("nan"), device="cuda", dtype=dtype)
+            assert cute_symm.sym_gemm(a, b, c, alpha, beta, out=out, zero_from=real_rows) is out
+            assert [args[-1] for args in built] == [name != "multiplied"], f"{name}: kernels built {built}"
+            results[name] = out
+    torch.cuda.synchronize()
+    assert torch.isfinite(results["multiplied"]).all(), f"seed {seed}"
+    for name in ("skipped", "never_taken"):
+        assert torch.equal(results[name], results["multiplied"]), f"{name} differs (seed {seed})"
+
+
+@pytest.mark.parametrize(
+    "shape", [(3, 2752, 3072), (2, 3072, 2752), (2, 1344, 1344)], ids=["wide_pairs", "tall_pairs", "square_tiles"]
+)
+def test_cute_ns_skips_the_padding_rows_products(shape: tuple, seed: int, monkeypatch) -> None:
+    """CuteDSL's Newton-Schulz at a padded Gram side names the padding to its symmetric products
+    (``zero_from``: every one's A is zero from the depth on) and they leave out the warpgroups
+    there: the result is bit for bit the one that multiplies the zeros (cute_symm.SKIP_ZERO_ROWS
+    off), in pair tiles (2752 -> 2816, Gram NS wide and tall) and 128 x 128 tiles (1344 -> 1408,
+    standard NS)."""
+    if not _cute_ready():
+        pytest.skip("CuteDSL or an SM90 GPU missing")
+    from dion3_titan.kernels import cute_symm
+    from dion3_titan.kernels.dispatch import get_backend
+    from dion3_titan.optim.config import coefficient_schedule
+    from dion3_titan.optim.orthogonalize import NSSettings, orthogonalize
+
+    coeffs = coefficient_schedule("polar_express", 5, 1.05)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*shape, device="cuda", generator=gen)
+    settings, ops = NSSettings("auto", coeffs, (2,), torch.float16), get_backend("cute")
+    skips = []
+    real = cute_symm._compiled
+    monkeypatch.setattr(cute_symm, "_compiled", lambda *args: skips.append(args[-1]) or real(*args))
+    skipping = orthogonalize(x, settings, ops)
+    assert True in skips, "no product skipped the padding rows"
+    monkeypatch.setattr(cute_symm, "SKIP_ZERO_ROWS", False)
+    skips.clear()
+    multiplied = orthogonalize(x, settings, ops)
+    assert True not in skips
+    torch.cuda.synchronize()
+    assert torch.isfinite(multiplied).all()
+    assert torch.equal(skipping, multiplied), f"seed {seed}"
+
+
 @pytest.mark.parametrize("backend", ["triton", "cute"])
 @pytest.mark.parametrize(
     "shape", [(6, 2048, 2048), (5, 512, 1536), (5, 1536, 384)], ids=["square_pairs", "wide_gram", "tall_gram"]
