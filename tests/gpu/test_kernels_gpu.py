@@ -316,7 +316,7 @@ def test_cute_gemm_general(dtype, shape: tuple, with_c: bool, b_layout: str, see
     got = cute_symm.gemm(a, b, c, alpha, beta, out=out)
     assert got is out
     pair = n % 256 == 0 and m % 256 == 0
-    assert built == [(pair, False, True, False, False)], f"ran {built}"
+    assert built == [(pair, False, True, False, False, False)], f"ran {built}"
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"unwritten or non-finite output (seed {seed})"
     assert _rel_err(out, ref) <= 2 * _rel_err(theirs, ref) + 1e-6, f"seed {seed}"
