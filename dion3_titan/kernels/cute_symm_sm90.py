@@ -540,73 +540,55 @@ def kernel_class() -> type:
                     fill_in_skip = self.skip_rows and not self.has_c
                     if cutlass.const_expr(not fill_in_skip):
                         acc.fill(0.0)
-                    # which of ``products`` this tile runs: one branch per tile, around its k-loops
-                    # (``skipped``: none, the warpgroup's rows of A being zero)
-                    skipped = len(products)
+                    # which of ``variants`` this tile runs: one branch per tile, around its k-loops
+                    # (None: no product, the warpgroup's rows of A being zero)
+                    variants = products + ([None] if cutlass.const_expr(self.skip_rows) else [])
                     variant = cutlass.Int32(0)
                     if cutlass.const_expr(self.half_diagonal):
                         if ti == tj and rank == 0:
                             variant = cutlass.Int32(1)
                     if cutlass.const_expr(self.skip_rows):
                         if i * TILE + (wg - 1) * (TILE // 2) >= zero_from:
-                            variant = cutlass.Int32(skipped)
+                            variant = cutlass.Int32(len(products))
                     # with C the k-loops run in two segments: between them the store warp frees
                     # the epilogue tiles, the previous tile's stores having long been issued
                     splits = (c_split,) if cutlass.const_expr(self.has_c) else ()
-                    for v in cutlass.range_constexpr(len(products)):
-                        mma, acc_v, frag_a, frag_b = products[v]
+                    for v in cutlass.range_constexpr(len(variants)):
+                        multiplies = variants[v] is not None
+                        # bound outside the branch, which CuteDSL would otherwise make yield them
+                        mma, acc_v, frag_a, frag_b = variants[v] if multiplies else products[0]
                         if variant == v:
-                            # With skip_rows the first product overwrites the accumulator, so
-                            # that only the skipping path reads the zeros: ptxas then folds the
-                            # fill into each multiplying path's first wgmma, as it does when
-                            # every path multiplies (without it, it zeroes the registers every
-                            # tile and the first wgmma reads them).
-                            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, not self.skip_rows)
-                            cute.nvgpu.warpgroup.fence()
-                            # k-step 0 peeled; every later one releases the stage before the one it
-                            # issued (one wgmma batch in flight). No data-dependent branch inside the
-                            # k-loops: C's release point tested at every step cost ~20 ns a step. The
-                            # k-step is written out in the loop itself: CuteDSL carries the pipeline
-                            # states through a loop only when its body advances them (a helper that
-                            # advances them compiles to different code).
-                            ring.consumer_wait(read)
-                            for kb in cutlass.range_constexpr(k_blocks):
-                                a_kb, b_kb = frag_a[(None, None, kb, read.index)], frag_b[(None, None, kb, read.index)]
-                                cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
-                                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                            cute.nvgpu.warpgroup.commit_group()
-                            read.advance()
-                            bounds = (1, *splits, k_tiles)
-                            for segment in cutlass.range_constexpr(len(bounds) - 1):
-                                if segment == 1:
-                                    if t != first and warp == _STORE_WARP:
-                                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                                        c_pipe.consumer_release(c_free)
-                                        c_free.advance()
-                                for _kt in cutlass.range(bounds[segment], bounds[segment + 1], unroll=1):
-                                    ring.consumer_wait(read)
-                                    for kb in cutlass.range_constexpr(k_blocks):
-                                        a_kb, b_kb = (
-                                            frag_a[(None, None, kb, read.index)],
-                                            frag_b[(None, None, kb, read.index)],
-                                        )
-                                        cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
-                                    cute.nvgpu.warpgroup.commit_group()
-                                    read.advance()
-                                    cute.nvgpu.warpgroup.wait_group(1)
-                                    ring.consumer_release(release)
-                                    release.advance()
-                            cute.nvgpu.warpgroup.wait_group(0)
-                            ring.consumer_release(release)
-                            release.advance()
-                    if cutlass.const_expr(self.skip_rows):
-                        if variant == skipped:
-                            if cutlass.const_expr(fill_in_skip):
+                            if cutlass.const_expr(multiplies):
+                                # With skip_rows the first product overwrites the accumulator, so
+                                # that only the skipping path reads the zeros: ptxas then folds
+                                # the fill into each multiplying path's first wgmma, as it does
+                                # when every path multiplies (without it, it zeroes the registers
+                                # every tile and the first wgmma reads them).
+                                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, not self.skip_rows)
+                                cute.nvgpu.warpgroup.fence()
+                                # k-step 0 peeled; every later one releases the stage before the
+                                # one it issued (one wgmma batch in flight). No data-dependent
+                                # branch inside the k-loops: C's release point tested at every
+                                # step cost ~20 ns a step. The k-step is written out in the loop
+                                # itself: CuteDSL carries the pipeline states through a loop only
+                                # when its body advances them (a helper that advances them
+                                # compiles to different code).
+                                ring.consumer_wait(read)
+                                for kb in cutlass.range_constexpr(k_blocks):
+                                    a_kb, b_kb = (
+                                        frag_a[(None, None, kb, read.index)],
+                                        frag_b[(None, None, kb, read.index)],
+                                    )
+                                    cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
+                                    mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                                cute.nvgpu.warpgroup.commit_group()
+                                read.advance()
+                            elif cutlass.const_expr(fill_in_skip):
                                 acc.fill(0.0)
-                            # every slot waited for and released in turn, as the other
-                            # warpgroups do (the ring counts every consumer warp of the cluster);
-                            # C's release written out again, as the k-step is above
-                            bounds = (0, *splits, k_tiles)
+                            # skipping: every slot waited for and released in turn, as the
+                            # other warpgroups do (the ring counts every consumer warp of the
+                            # cluster)
+                            bounds = (1 if multiplies else 0, *splits, k_tiles)
                             for segment in cutlass.range_constexpr(len(bounds) - 1):
                                 if segment == 1:
                                     if t != first and warp == _STORE_WARP:
@@ -615,9 +597,23 @@ def kernel_class() -> type:
                                         c_free.advance()
                                 for _kt in cutlass.range(bounds[segment], bounds[segment + 1], unroll=1):
                                     ring.consumer_wait(read)
+                                    if cutlass.const_expr(multiplies):
+                                        for kb in cutlass.range_constexpr(k_blocks):
+                                            a_kb, b_kb = (
+                                                frag_a[(None, None, kb, read.index)],
+                                                frag_b[(None, None, kb, read.index)],
+                                            )
+                                            cute.gemm(mma, acc_v, a_kb, b_kb, acc_v)
+                                        cute.nvgpu.warpgroup.commit_group()
                                     read.advance()
+                                    if cutlass.const_expr(multiplies):
+                                        cute.nvgpu.warpgroup.wait_group(1)
                                     ring.consumer_release(release)
                                     release.advance()
+                            if cutlass.const_expr(multiplies):
+                                cute.nvgpu.warpgroup.wait_group(0)
+                                ring.consumer_release(release)
+                                release.advance()
 
                     # epilogue: fp32 math and one rounding per 128 x 128 block (the accumulator
                     # holds a block's values contiguously, the wgmma layout's column chunks
