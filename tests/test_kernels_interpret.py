@@ -720,16 +720,36 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
         out = cute_symm.sym_gemm(x, b, c, 0.5, -1.5)
         ((key, args),) = launches
         assert key[:5] == ("Float16", "k", "k", True, cute_symm.PAIR_STAGES)
-        assert key[5:] == (True, mirror, False, False, cute_symm.HALF_DIAGONAL)  # a pair's diagonal halved
-        a_v, b_v, c_v, out_v, table, _, ctas, alpha, beta = launched(args)
+        # a pair's diagonal halved; no rows named zero, no skipping path
+        assert key[5:] == (True, mirror, False, False, cute_symm.HALF_DIAGONAL, False)
+        a_v, b_v, c_v, out_v, table, _, ctas, bound, alpha, beta = launched(args)
         assert (a_v, b_v, c_v, out_v) == (view(x), view(b), view(c), view(out))
         assert table.shape == (2, 36) and ctas == 2 * min(66, 2 * 36) and (alpha, beta) == (0.5, -1.5)
+        assert bound == 2048  # past every row
     launches.clear()
     small = torch.randn(3, 1024, 64, dtype=torch.bfloat16)
     out = cute_symm.sym_gemm(small, small.mT)  # 128 x 128 tiles below PAIR_MIN_N, no C
     ((key, args),) = launches
-    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False, False, False)
+    assert key == ("BFloat16", "k", "k", False, cute_symm.STAGES, False, False, False, False, False, False)
     assert launched(args)[2] == view(out) and launched(args)[6] == min(132, 3 * 36)
+
+    # rows named zero (zero_from): the skipping kernel where some warpgroup's 64 rows all lie
+    # there, given the bound; the kernel without it where none does (a bound inside the last 64
+    # rows); the skipping kernel given a bound past every row under SKIP_NEVER; never in SKIP_ZERO_ROWS off
+    for zero_from, switches, skip, bound in (
+        (1984, {}, True, 1984),
+        (1930, {}, True, 1930),
+        (1990, {}, False, 2048),
+        (1984, {"SKIP_NEVER": True}, True, 2048),
+        (1984, {"SKIP_ZERO_ROWS": False}, False, 2048),
+    ):
+        with monkeypatch.context() as m:
+            for name, value in switches.items():
+                m.setattr(cute_symm, name, value)
+            launches.clear()
+            cute_symm.sym_gemm(x, x.mT, c, 0.5, -1.5, zero_from=zero_from)
+            ((key, args),) = launches
+            assert key[-1] == skip and launched(args)[7] == bound, (zero_from, switches, key, launched(args)[7])
 
     a = torch.randn(2, 2048, 512, dtype=torch.float16)
     cases = ((torch.randn(2, 512, 4096, dtype=torch.float16), 4096), (torch.randn(2, 640, 512).half().mT, 640))
@@ -752,8 +772,9 @@ def test_cute_wrappers_hand_the_kernel_its_operands_form_and_tiles(monkeypatch) 
             True,
             check,
             False,  # every tile of a general product is whole
+            False,  # and multiplied
         )
-        a_v, b_v, c_v, out_v, table, flags_v, ctas, alpha, beta = launched(args)
+        a_v, b_v, c_v, out_v, table, flags_v, ctas, _, alpha, beta = launched(args)
         assert flags_v is flags if check else flags_v.shape == (1,)  # unchecked: never written
         assert (a_v, b_v, out_v) == (view(a), view(b), view(out)) and out.shape == (2, 2048, m)
         assert c_v[1:] == view(cc.contiguous())[1:]
