@@ -130,7 +130,8 @@ def gram_newton_schulz(
     ``out``: where the last product writes the result (of its shape and memory order).
     ``depth``: x's rows from there on are zero padding; the products over the Gram side
     (all but X X^T) read their operands only up to it (Q's padded block is a I, but the
-    operand it meets there, Z or X, is zero).
+    operand it meets there, Z or X, is zero), and every symmetric product names it as the first
+    zero row of its A (``zero_from``: within what a product reads, Q's a I lies past it too).
     """
     ops = backend
     xt = x.mT
