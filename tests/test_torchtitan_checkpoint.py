@@ -40,14 +40,14 @@ def test_resume_at_step_2_matches_uninterrupted_run(tmp_path: Path) -> None:
         }
     )
     full, first = launch["full"], launch["first"]
-    assert full.returncode == 0, full.output[-4000:]
+    assert full.returncode == 0, full.report()
 
-    assert first.returncode == 0, first.output[-4000:]
+    assert first.returncode == 0, first.report()
     assert (resumed_dir / "checkpoint" / "step-2").is_dir()
     assert first.losses() == {s: full.losses()[s] for s in (1, 2)}
 
     second = run_titan(LLAMA, resumed_dir, "--training.steps", "4", *COMMON, *CKPT)
-    assert second.returncode == 0, second.output[-4000:]
+    assert second.returncode == 0, second.report()
     assert "Loading the checkpoint" in second.output or "Finished loading" in second.output
     losses = second.losses()
     assert sorted(losses) == [3, 4], losses  # it resumed, it did not restart
@@ -93,7 +93,7 @@ def test_resume_at_another_world_size(tmp_path: Path, flavor: str, fraction: flo
     for i, world in enumerate(worlds):
         extra = ("--checkpoint.exclude_from_loading", "dataloader") if i else ()
         run = run_titan(LLAMA, tmp_path, "--training.steps", str(2 * (i + 1)), *opts, *extra, nproc=world)
-        assert run.returncode == 0, (world, run.output[-4000:])
+        assert run.returncode == 0, f"{world}:\n{run.report()}"
         got = run.losses()
         assert sorted(got) == [2 * i + 1, 2 * i + 2], (world, got)  # resumed, not restarted
         if i:

@@ -68,7 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TitanRun]:
 @pytest.mark.parametrize("name", ["full_ac", "selective_ac+compile"])
 def test_trains_with_activation_checkpointing_and_compile(runs: dict[str, TitanRun], name: str) -> None:
     run = runs[name]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     losses = run.losses()
     assert losses[4] < losses[1], losses
     g = _groups(run.records[0])  # routing saw through the wrapper prefixes
@@ -80,7 +80,7 @@ def test_trains_with_activation_checkpointing_and_compile(runs: dict[str, TitanR
 def test_gradient_accumulation_steps_once_per_global_step(runs: dict[str, TitanRun]) -> None:
     """global batch = 2 x local batch x ranks: two micro-batches, one optimizer step each step."""
     run = runs["grad_accumulation"]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     assert "gradient accumulation steps 2" in run.output
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses
@@ -95,7 +95,7 @@ def test_gradient_accumulation_steps_once_per_global_step(runs: dict[str, TitanR
 def test_float8_linears_with_float8_all_gather(runs: dict[str, TitanRun]) -> None:
     pytest.importorskip("torchao")
     run = runs["float8"]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     assert "Swapped to Float8Linear layers with enable_fsdp_float8_all_gather=True" in run.output
     losses = run.losses()
     assert losses[4] < losses[1], losses

@@ -50,7 +50,7 @@ def seed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "1",
         nproc=1,
     )
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     path = folder / "checkpoint" / "step-0"
     assert path.is_dir()
     return path
@@ -99,12 +99,12 @@ def test_pipeline_trains_and_resumes_exactly(
         *start,
         nproc=reference_nproc,
     )
-    assert reference.returncode == 0, reference.output[-4000:]
+    assert reference.returncode == 0, reference.report()
 
     full = run_titan(
         LLAMA, tmp_path / "full", *COMMON, *PP2, "--training.steps", "8", *CHECKPOINT_AT_4, *start, nproc=nproc
     )
-    assert full.returncode == 0, full.output[-4000:]
+    assert full.returncode == 0, full.report()
     losses = full.losses()
     assert sorted(losses) == list(range(1, 9))
     # same weights, same data: step 1 equals the run without PP up to summation order (the
@@ -117,6 +117,6 @@ def test_pipeline_trains_and_resumes_exactly(
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "full" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
     second = run_titan(LLAMA, resumed, *COMMON, *PP2, "--training.steps", "8", *CHECKPOINT_AT_4, *start, nproc=nproc)
-    assert second.returncode == 0, second.output[-4000:]
+    assert second.returncode == 0, second.report()
     assert sorted(second.losses()) == [5, 6, 7, 8]  # it resumed, it did not restart
     assert second.losses() == {s: losses[s] for s in (5, 6, 7, 8)}  # bitwise-equal floats

@@ -61,7 +61,7 @@ def _groups(record: dict) -> dict[str, dict]:
 
 def test_llama3_dion3_trains_and_routes_params(runs: dict[str, TitanRun]) -> None:
     run = runs["llama3"]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     losses = run.losses()
     assert sorted(losses) == list(range(1, 21))
     first, last5 = losses[1], sum(losses[s] for s in range(16, 21)) / 5
@@ -88,7 +88,7 @@ def test_an_inf_gradient_skips_the_step_through_the_clipping_norm(runs: dict[str
     clipping norm is inf on every rank, so every rank skips that step (without a pass over the
     gradients) and training goes on."""
     run = runs["skip_inf"]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     assert math.isinf(run.grad_norms()[POISON["step"]]), run.grad_norms()
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values()), losses
@@ -101,7 +101,7 @@ def test_without_clipping_the_optimizer_makes_its_own_pass(runs: dict[str, Titan
     """max_norm = 0 (torchtitan has no off switch; 0 scales every gradient by 0): no norm is
     handed over, and the optimizer's own pass catches the planted inf (NaN after the clip)."""
     run = runs["skip_inf_noclip"]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     for record in run.records:
         assert record["nonfinite"] == {"flag_sources": [{"gradient_norm": 0, "own_pass": 3}], "skipped_steps": [1]}
 
@@ -110,7 +110,7 @@ def test_llama3_compiled_trains_as_uncompiled(runs: dict[str, TitanRun]) -> None
     """torchtitan's `compile.enable` (each TransformerBlock and the loss compiled by inductor)
     with FSDP2 and Dion3: the uncompiled llama3 run's losses, step for step."""
     run, eager = runs["llama3_compiled"], runs["llama3"]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     for line in ("Compiling each TransformerBlock", "Compiling the loss function"):
         assert line in run.output and line not in eager.output, line
     compiled, reference = run.losses(), eager.losses()
@@ -122,7 +122,7 @@ def test_llama3_compiled_trains_as_uncompiled(runs: dict[str, TitanRun]) -> None
 
 def test_deepseek_v3_moe_dion3_trains_experts_as_matrix_batches(runs: dict[str, TitanRun]) -> None:
     run = runs["deepseek_v3"]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[2] < losses[1], losses
     assert losses[3] < losses[1] - 0.2, losses  # 8.14 -> 7.88
@@ -147,7 +147,7 @@ def test_deepseek_v3_moe_dion3_trains_experts_as_matrix_batches(runs: dict[str, 
 def test_muon_normuon_prmuon_names(runs: dict[str, TitanRun], name: str, flavor: str, optimizer: str) -> None:
     # the Muon baseline config sets neither fraction nor flavor: the name decides both
     run = runs[name]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     (part,) = run.records[0]["optimizers"]["parts"]
     assert part["class"] == optimizer
     g = _groups(run.records[0])
@@ -159,7 +159,7 @@ def test_muon_normuon_prmuon_names(runs: dict[str, TitanRun], name: str, flavor:
 
 def test_adamw_is_untouched(runs: dict[str, TitanRun]) -> None:
     run = runs["adamw"]
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     record = run.records[0]["optimizers"]
     assert record["container"] == "OptimizersContainer"  # torchtitan's own
     (part,) = record["parts"]
@@ -175,7 +175,7 @@ def test_gpt_oss_trains_with_mlp1_split_into_gate_and_up(tmp_path: Path) -> None
     gpt_oss debug model trains on 2 gloo ranks (FlexAttention runs densely on CPU, cpu_shims
     shim 6), and the plan the optimizer built shows the split."""
     run = run_titan(GPT_OSS, tmp_path, "--training.steps", "4", "--training.seq_len", "64")
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1] - 0.4, losses  # 12.86 -> 12.22
     for record in run.records:

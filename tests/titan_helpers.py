@@ -38,6 +38,7 @@ def plan_of(optimizers) -> list[dict]:
 
 
 CONFIGS = REPO / "configs"
+_CAUSE = re.compile(r"Error|Exception|terminate called|Abort|abort\(|Signal \d+|Traceback|FATAL", re.I)
 
 
 @dataclass
@@ -45,6 +46,13 @@ class TitanRun:
     returncode: int
     output: str  # stdout + stderr of torchrun
     records: list[dict[str, Any]]  # one inspect record per rank (rank order)
+
+    def report(self, tail: int = 4000) -> str:
+        """What a failed launch's assertion shows: the lines that name an error or an abort
+        anywhere in the output (a rank's cause often comes long before torchrun's closing
+        report), then the output's last ``tail`` characters."""
+        causes = [line for line in self.output.splitlines() if _CAUSE.search(line)][:40]
+        return "\n".join(["lines naming a cause:", *causes, "", "the output's end:", self.output[-tail:]])
 
     def losses(self) -> dict[int, float]:
         """Exact per-step losses as logged by the metrics processor of the first rank that

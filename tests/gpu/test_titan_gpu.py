@@ -39,15 +39,15 @@ def test_cuda_graph_trains_checkpoints_resumes(tmp_path: Path) -> None:
     nproc = torch.cuda.device_count()
     cfg = CONFIGS / "llama3_debug_gpu_dion3.toml"
     full = run_titan(cfg, tmp_path / "full", "--training.steps", "8", *COMMON, nproc=nproc)
-    assert full.returncode == 0, full.output[-4000:]
+    assert full.returncode == 0, full.report()
     losses = full.losses()
     assert losses[8] < losses[1], losses
     assert "[dion3] step  8" in full.output  # optimizer metrics of a replayed step
     part = tmp_path / "resumed"
     first = run_titan(cfg, part, "--training.steps", "6", *COMMON, *CKPT, nproc=nproc)
-    assert first.returncode == 0, first.output[-4000:]
+    assert first.returncode == 0, first.report()
     second = run_titan(cfg, part, "--training.steps", "8", *COMMON, *CKPT, nproc=nproc)
-    assert second.returncode == 0, second.output[-4000:]
+    assert second.returncode == 0, second.report()
     resumed = second.losses()
     assert sorted(resumed) == [7, 8], resumed
     assert resumed == {s: losses[s] for s in (7, 8)}
@@ -70,9 +70,9 @@ def test_compiled_model_beside_captured_step_trains_as_uncompiled(tmp_path: Path
         *("--optimizer.cuda_graph", "True", "--optimizer.cuda_graph_warmup", "3"),
     )
     eager = run_titan(cfg, tmp_path / "eager", *args, nproc=1)
-    assert eager.returncode == 0, eager.output[-4000:]
+    assert eager.returncode == 0, eager.report()
     compiled = run_titan(cfg, tmp_path / "compiled", *args, "--compile.enable", nproc=1)
-    assert compiled.returncode == 0, compiled.output[-4000:]
+    assert compiled.returncode == 0, compiled.report()
     for line in (
         "Compiling each TransformerBlock with torch.compile",
         "Compiling the loss function with torch.compile",
@@ -104,7 +104,7 @@ def test_gpt_oss_trains_with_mlp1_split(tmp_path: Path) -> None:
         "float16",
         nproc=2,
     )
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     losses = run.losses()
     assert losses[4] < losses[1], losses
     plan = run.records[0]["optimizers"]["plan"]
@@ -133,7 +133,7 @@ def test_float8_fsdp_float8_all_gather_trains(tmp_path: Path) -> None:
         *FLOAT8,
         nproc=2,
     )
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     assert "Swapped to Float8Linear layers with enable_fsdp_float8_all_gather=True" in run.output
     losses = run.losses()
     assert all(v == v for v in losses.values()) and losses[6] < losses[1], losses

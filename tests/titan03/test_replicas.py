@@ -35,7 +35,7 @@ def test_compressed_trains_and_resumes(tmp_path: Path) -> None:
     full = run_titan03(
         "llama3_debug_dion3_compressed", tmp_path / "full", "--training.steps", str(STEPS), *COMMON, *HSDP, nproc=4
     )
-    assert full.returncode == 0, full.output[-4000:]
+    assert full.returncode == 0, full.report()
     losses = full.losses()
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     assert losses[STEPS] < losses[1] - 1.0, losses
@@ -43,7 +43,7 @@ def test_compressed_trains_and_resumes(tmp_path: Path) -> None:
 
     same = checkpoint_from(tmp_path / "full", 10, tmp_path / "same")
     again = run_titan03("llama3_debug_dion3_compressed", same, "--training.steps", str(STEPS), *COMMON, *HSDP, nproc=4)
-    assert again.returncode == 0, again.output[-4000:]
+    assert again.returncode == 0, again.report()
     assert again.losses() == {s: losses[s] for s in range(11, STEPS + 1)}  # bitwise-equal floats
     assert hsdp_replicas_identical(again)
 
@@ -58,7 +58,7 @@ def test_compressed_trains_and_resumes(tmp_path: Path) -> None:
         "dataloader",
         nproc=2,
     )
-    assert two.returncode == 0, two.output[-4000:]
+    assert two.returncode == 0, two.report()
     got = two.losses()
     assert sorted(got) == list(range(11, STEPS + 1)), got
     assert max(got.values()) < losses[1] - 1.0, (got, losses)
@@ -72,9 +72,9 @@ def test_compressed_with_expert_parallelism_equals_gradient_sync(tmp_path: Path)
     common = ("--training.steps", "6", "--lr_scheduler.total_steps", "6", "--training.max_norm", "1000", *HSDP)
     common += ("--parallelism.expert_parallel_degree", "2")
     synced = run_titan03("deepseek_v3_debug_dion3_random", tmp_path / "gradients", *common, nproc=4)
-    assert synced.returncode == 0, synced.output[-4000:]
+    assert synced.returncode == 0, synced.report()
     run = run_titan03("deepseek_v3_debug_dion3_random_compressed", tmp_path / "compressed", *common, nproc=4)
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     losses = run.losses()
     assert sorted(losses) == list(range(1, 7)), losses
     assert losses[6] < losses[1] - 0.5, losses  # it trains
