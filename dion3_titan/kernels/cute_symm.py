@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dion3_titan.kernels.cute_symm_sm90 import TILE, TILE_K, kernel_class
+from dion3_titan.kernels.cute_symm_sm90 import TILE, TILE_K, WG_ROWS, kernel_class
 from dion3_titan.kernels.launch import cdiv
 from dion3_titan.kernels.tma import grid_sms
 from dion3_titan.kernels.triton_ops import TritonOps, tile_order
@@ -224,7 +224,7 @@ def _launch(
     stages = PAIR_STAGES if pair else STAGES
     # a warpgroup skips when its first row is at or past zero_from: some must, or the kernel
     # without the skipping path runs
-    skip = SKIP_ZERO_ROWS and not general and zero_from is not None and cdiv(zero_from, TILE // 2) * (TILE // 2) < n
+    skip = SKIP_ZERO_ROWS and not general and zero_from is not None and cdiv(zero_from, WG_ROWS) * WG_ROWS < n
     fn = _compiled(_DTYPES[a.dtype], *majors, has_c, stages, *form, check, half, skip)
     cm = 2 if pair else 1
     ctas = cm * min(grid_sms(a.device) // cm, L * table.shape[1])

@@ -52,6 +52,7 @@ from typing import Any
 
 TILE = 128  # output tile side (square: the triangle of tiles needs square tiles)
 TILE_K = 64  # k-slice per pipeline stage
+WG_ROWS = TILE // 2  # a consumer warpgroup's rows of the tile (what skip_rows leaves out at once)
 _THREADS = 384  # warpgroup 0: TMA producer; warpgroups 1, 2: wgmma consumers
 _MMA_THREADS = 256
 _EPI_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA's)
@@ -548,7 +549,7 @@ def kernel_class() -> type:
                         if ti == tj and rank == 0:
                             variant = cutlass.Int32(1)
                     if cutlass.const_expr(self.skip_rows):
-                        if i * TILE + (wg - 1) * (TILE // 2) >= zero_from:
+                        if i * TILE + (wg - 1) * WG_ROWS >= zero_from:
                             variant = cutlass.Int32(len(products))
                     # with C the k-loops run in two segments: between them the store warp frees
                     # the epilogue tiles, the previous tile's stores having long been issued
